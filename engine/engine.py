@@ -1,0 +1,401 @@
+"""Engine: owns model, tokenizer and KV cache; a background thread runs schedule -> run -> postprocess.
+
+Requests enter through submit() from any thread; only the engine thread touches the scheduler, the KV cache and
+the model. Each request's outputs travel back through its own RequestStream.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from engine import loader
+from engine.config import EngineConfig
+from engine.errors import ContextLengthExceededError, InvalidRequestError, QueueFullError
+from engine.kv_cache import BlockAllocator, KVCache, blocks_needed
+from engine.loader import LoadedModel
+from engine.models.generic import RecomputeRunner
+from engine.outputs import Completion, ContinuationScore, RequestOutput
+from engine.request import Request, Sequence, TokenLogprob
+from engine.runner import ModelRunner
+from engine.sampler import sample, token_logprob
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.stops import OutputText
+from engine.stream import RequestStream
+from engine.tokens import TokenizerView
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_free: int
+    num_preemptions: int
+    tokens_per_s: float  # generated tokens per second over the last few seconds
+
+    @property
+    def kv_cache_usage(self) -> float:
+        total = self.num_kv_blocks_used + self.num_kv_blocks_free
+        return self.num_kv_blocks_used / total if total else 0.0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.loaded = loaded or loader.load(self.config)
+        model, hf_config = self.loaded.model, self.loaded.hf_config
+        self.device, self.dtype = self.loaded.device, self.loaded.dtype
+        self.model_name = self.loaded.name
+        generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.tokenizer = TokenizerView(self.loaded.tokenizer, generation_eos or hf_config.eos_token_id)
+        self.vocab_size = hf_config.vocab_size
+
+        block_size = self.config.block_size
+        max_model_len = self._context_limit(hf_config)
+        if self.loaded.is_native:
+            kv_args = (hf_config.num_hidden_layers, block_size, model.num_kv_heads, model.head_dim)
+            num_blocks = self.config.num_kv_blocks or max(
+                min(
+                    self.config.kv_cache_memory_bytes // KVCache.bytes_per_block(*kv_args, self.dtype),
+                    self.config.max_num_seqs * blocks_needed(max_model_len, block_size),
+                ),
+                1,
+            )
+            max_model_len = min(max_model_len, num_blocks * block_size)
+            self.kv_cache = KVCache(kv_args[0], num_blocks, *kv_args[1:], self.dtype, self.device)
+            model.build_rope_tables(max_model_len, self.device, self.dtype)
+            self.runner = ModelRunner(model, self.kv_cache, self.device)
+        else:
+            # The generic path recomputes everything, but the allocator still bounds concurrent context.
+            num_blocks = self.config.num_kv_blocks or self.config.max_num_seqs * blocks_needed(max_model_len, block_size)
+            pad_id = self.loaded.tokenizer.pad_token_id or 0
+            self.runner = RecomputeRunner(model, self.device, pad_id)
+        self.max_model_len = max_model_len
+        self.allocator = BlockAllocator(num_blocks)
+        self.scheduler = Scheduler(
+            self.allocator, block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens
+        )
+
+        self._seq_ids = itertools.count()
+        self._seed_rng = random.Random(self.config.seed)
+        self._lock = threading.Condition()
+        self._inbox: deque[tuple[Request, RequestStream]] = deque()
+        self._aborts: deque[str] = deque()
+        self._requests: dict[str, tuple[Request, RequestStream]] = {}  # engine thread only
+        self._recent_tokens: deque[tuple[float, int]] = deque()
+        self._thread: threading.Thread | None = None
+        self._running = False
+        logger.info(
+            "engine ready: %s (%s, %s, %s), max_model_len %d, %d KV blocks of %d tokens",
+            self.model_name,
+            "native" if self.loaded.is_native else "generic transformers path",
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            self.max_model_len,
+            num_blocks,
+            block_size,
+        )
+
+    # Lifecycle.
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._running = True
+            self._thread = threading.Thread(target=self._loop, name="tern-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            self._running = False
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # Public surface.
+    def submit(self, prompt: str | list[int], params, request_id: str | None = None) -> RequestStream:
+        """Queue a request; returns its stream of RequestOutput deltas. Raises InvalidRequestError subclasses for
+        requests that cannot be served, before anything is queued."""
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate(prompt_ids, params)
+        request = Request(request_id or uuid.uuid4().hex, prompt_ids, params)
+        stream = RequestStream(request.request_id)
+        with self._lock:
+            if len(self._inbox) + len(self.scheduler.waiting) >= self.config.max_waiting:
+                raise QueueFullError("too many requests are waiting; retry shortly")
+            self._inbox.append((request, stream))
+            self._lock.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks at the next step; its stream ends."""
+        with self._lock:
+            self._aborts.append(request_id)
+            self._lock.notify()
+
+    def generate(self, prompts: list[str | list[int]], params) -> list[Completion]:
+        """Blocking convenience for scripts and tests: submit all prompts at once, wait for all."""
+        streams = [self.submit(p, params) for p in prompts]
+        return [_collect(s) for s in streams]
+
+    async def complete(self, prompt: str | list[int], params, request_id: str | None = None) -> Completion:
+        completion = Completion(request_id or "")
+        stream = self.submit(prompt, params, request_id)
+        try:
+            async for out in stream:
+                completion.add(out)
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+        completion.request_id = stream.request_id
+        return completion
+
+    async def score(self, context: str | list[int], continuations: list[str | list[int]]) -> list[ContinuationScore]:
+        """Log-likelihood of each continuation after the context, all scored in one batch."""
+        from engine.params import SamplingParams
+
+        pairs = [self._split_for_scoring(context, c) for c in continuations]
+        params = SamplingParams(max_tokens=0, prompt_logprobs=1)
+        completions = await asyncio.gather(*(self.complete(ctx + cont, params) for ctx, cont in pairs))
+        scores = []
+        for (ctx, cont), completion in zip(pairs, completions):
+            entries = completion.prompt_logprobs[len(ctx) :]
+            logprobs = [e.logprob for e in entries]
+            top_ids = [e.top[0][0] if e.top else e.token_id for e in entries]
+            greedy = all(not e.top or e.logprob >= e.top[0][1] for e in entries)
+            scores.append(ContinuationScore(sum(logprobs), greedy, cont, logprobs, top_ids))
+        return scores
+
+    def stats(self) -> EngineStats:
+        now = time.monotonic()
+        recent = [(t, n) for t, n in list(self._recent_tokens) if now - t <= 5.0]
+        tokens_per_s = sum(n for _, n in recent) / 5.0 if recent else 0.0
+        return EngineStats(
+            len(self.scheduler.running),
+            len(self.scheduler.waiting) + len(self._inbox),
+            self.allocator.num_used,
+            self.allocator.num_free,
+            self.scheduler.num_preemptions,
+            tokens_per_s,
+        )
+
+    # Validation (caller's thread).
+    def _validate(self, prompt_ids: list[int], params) -> None:
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
+        bad = [t for t in (*params.logit_bias, *params.stop_token_ids) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary", "logit_bias")
+        total = len(prompt_ids) + (params.max_tokens or 0)
+        if total > self.max_model_len or len(prompt_ids) >= self.max_model_len and params.max_tokens != 0:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens or 0} for the completion). "
+                "Please reduce the prompt or the completion length.",
+                "max_tokens" if params.max_tokens else "prompt",
+            )
+
+    def _split_for_scoring(self, context, continuation) -> tuple[list[int], list[int]]:
+        """Tokenize as lm-evaluation-harness does: the pair together, context boundary from the context alone."""
+        if not isinstance(context, str) or not isinstance(continuation, str):
+            ctx = context if not isinstance(context, str) else self.tokenizer.encode(context)
+            cont = continuation if not isinstance(continuation, str) else self.tokenizer.encode(continuation, False)
+            return list(ctx), list(cont)
+        trailing = len(context) - len(context.rstrip())
+        if trailing:  # a context's trailing space belongs to the continuation's first token
+            context, continuation = context[:-trailing], context[-trailing:] + continuation
+        ctx = self.tokenizer.encode(context)
+        whole = self.tokenizer.encode(context + continuation)
+        if not ctx:
+            raise InvalidRequestError("the context must not be empty: the first token has no likelihood", "prompt")
+        if not continuation:
+            raise InvalidRequestError("a continuation is empty", "continuation")
+        return ctx, whole[len(ctx) :]
+
+    def _context_limit(self, hf_config) -> int:
+        limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+        window = getattr(hf_config, "sliding_window", None)
+        if window and getattr(hf_config, "use_sliding_window", True):
+            limit = min(limit, window)  # attention here is full: stay inside the window the model was trained on
+        return min(self.config.max_model_len or limit, limit)
+
+    # Engine thread.
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while self._running and not (self._inbox or self._aborts or self.scheduler.has_work):
+                    self._lock.wait()
+                if not self._running:
+                    break
+                arrivals, self._inbox = list(self._inbox), deque()
+                aborts, self._aborts = list(self._aborts), deque()
+            for request, stream in arrivals:
+                self._admit(request, stream)
+            for request_id in aborts:
+                self._abort_now(request_id)
+            if self.scheduler.has_work:
+                self.step()
+        for request_id in list(self._requests):
+            self._abort_now(request_id)
+
+    def step(self) -> None:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            time.sleep(0.001)  # everything waits for blocks that only a finishing sequence can free
+            return
+        try:
+            self._run(batch)
+        except Exception as exc:  # a failure belongs to the requests in this batch; the loop keeps serving
+            logger.exception("step failed; failing %d sequences", len(batch))
+            for seq in batch.seqs:
+                if not seq.is_finished:
+                    self._fail(seq.request.request_id, exc)
+
+    def _run(self, batch: ScheduledBatch) -> None:
+        samples = [
+            seq.num_computed_tokens + n == seq.num_tokens and seq.num_output_tokens < seq.max_tokens
+            for seq, n in zip(batch.seqs, batch.num_new_tokens)
+        ]
+        wants_prompt = [seq.wants_prompt_logprobs for seq in batch.seqs]
+        logits = self.runner.run(batch, samples, wants_prompt)
+        starts = [seq.num_computed_tokens for seq in batch.seqs]
+        self.scheduler.mark_computed(batch)
+
+        for i, chunk_logits in logits.prompt_logits.items():
+            self._add_prompt_logprobs(batch.seqs[i], starts[i], chunk_logits)
+        sampling = [seq for seq, s in zip(batch.seqs, samples) if s]
+        results = sample(logits.sample_logits, sampling, self.tokenizer.eos_ids) if sampling else []
+        for seq, (token_id, logprob) in zip(sampling, results):
+            self._append(seq, token_id, logprob)
+        for seq, s in zip(batch.seqs, samples):
+            # A prompt-only request (max_tokens 0: scoring, echo) ends once its prefill is done.
+            if not s and seq.max_tokens == 0 and seq.num_computed_tokens >= seq.num_tokens:
+                self._emit(seq, [], "", None, "length")
+        self._recent_tokens.append((time.monotonic(), len(results)))
+        while len(self._recent_tokens) > 1000:
+            self._recent_tokens.popleft()
+
+    def _admit(self, request: Request, stream: RequestStream) -> None:
+        params = request.params
+        max_tokens = self.max_model_len - len(request.prompt_ids) if params.max_tokens is None else params.max_tokens
+        self._requests[request.request_id] = (request, stream)
+        for index in range(params.n):
+            seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(63)
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            text = OutputText(
+                self.tokenizer.tokenizer, params.stop, request.prompt_ids, params.skip_special_tokens
+            )
+            seq = Sequence(next(self._seq_ids), request, index, generator, text)
+            seq.max_tokens = max_tokens
+            request.sequences.append(seq)
+            self.scheduler.add(seq)
+
+    def _add_prompt_logprobs(self, seq: Sequence, start: int, chunk_logits: torch.Tensor) -> None:
+        """Row p of the chunk predicts token start+p+1; keep those that are prompt tokens."""
+        request = seq.request
+        partial = request.partial_prompt_logprobs
+        del partial[start + 1 :]  # a recomputation after preemption replaces what it recomputes
+        logprobs = torch.log_softmax(chunk_logits, dim=-1)
+        num_top = seq.params.prompt_logprobs
+        for row in range(logprobs.shape[0]):
+            position = start + row + 1
+            if position >= seq.num_prompt_tokens:
+                break
+            partial.append(token_logprob(logprobs[row], seq.token_ids[position], num_top))
+        if len(partial) >= seq.num_prompt_tokens:
+            request.prompt_logprobs = partial
+
+    def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
+        params = seq.params
+        seq.token_ids.append(token_id)
+        finish_reason = stop_reason = None
+        delta = ""
+        if token_id in params.stop_token_ids:
+            finish_reason, stop_reason = "stop", token_id
+        elif token_id in self.tokenizer.eos_ids and not params.ignore_eos:
+            finish_reason = "stop"
+        else:
+            delta, stopped = seq.output_text.append(token_id)
+            if stopped:
+                finish_reason, stop_reason = "stop", seq.output_text.stop_reason
+        if finish_reason is None and (seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
+            finish_reason = "length"
+        if finish_reason is not None and not isinstance(stop_reason, str):
+            delta += seq.output_text.finish()  # nothing can become a stop string any more: release held text
+        self._emit(seq, [token_id], delta, [logprob] if logprob is not None else None, finish_reason, stop_reason)
+
+    def _emit(self, seq, token_ids, text, logprobs, finish_reason, stop_reason=None) -> None:
+        request = seq.request
+        entry = self._requests.get(request.request_id)
+        if entry is None:
+            return
+        stream = entry[1]
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
+        out = RequestOutput(
+            request.request_id,
+            seq.index,
+            token_ids,
+            text,
+            logprobs,
+            finish_reason,
+            stop_reason,
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+            prompt_logprobs,
+        )
+        delivered = stream.put(out)
+        if finish_reason is not None:
+            seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
+            self.scheduler.finish(seq)
+            request.num_finished += 1
+            if request.num_finished == len(request.sequences):
+                del self._requests[request.request_id]
+                stream.close()
+        if not delivered:  # the consumer's event loop is gone: nobody will read the rest
+            self._abort_now(request.request_id)
+
+    def _abort_now(self, request_id: str) -> None:
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return
+        request, stream = entry
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+        stream.close()
+
+    def _fail(self, request_id: str, exc: Exception) -> None:
+        entry = self._requests.get(request_id)
+        if entry is not None:
+            entry[1].put(exc)
+        self._abort_now(request_id)
+
+
+def _collect(stream: RequestStream) -> Completion:
+    completion = Completion(stream.request_id)
+    for out in stream:
+        completion.add(out)
+    return completion

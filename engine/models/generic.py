@@ -1,0 +1,40 @@
+"""Fallback for architectures without a native implementation: any AutoModelForCausalLM, recomputed per step.
+
+It keeps every engine feature (batching, sampling, stops, logprobs) but ignores the paged KV cache and runs the
+whole sequence through transformers at every step, so it is correct but much slower than the native path.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.runner import StepLogits
+from engine.scheduler import ScheduledBatch
+
+
+class RecomputeRunner:
+    def __init__(self, model, device: torch.device, pad_token_id: int = 0) -> None:
+        self.model = model
+        self.device = device
+        self.pad_token_id = pad_token_id
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, samples: list[bool], wants_prompt: list[bool]) -> StepLogits:
+        ends = [seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        width = max(ends)
+        input_ids = torch.full((len(ends), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(ends), width), dtype=torch.long)
+        for i, (seq, end) in enumerate(zip(batch.seqs, ends)):
+            input_ids[i, :end] = torch.tensor(seq.token_ids[:end])
+            attention_mask[i, :end] = 1
+        # Right padding keeps every real token at its natural position, so no position_ids are needed.
+        logits = self.model(
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), use_cache=False
+        ).logits.float()
+        sample_rows = [logits[i, end - 1] for i, (end, s) in enumerate(zip(ends, samples)) if s]
+        sample_logits = torch.stack(sample_rows) if sample_rows else logits.new_empty(0, 0)
+        prompt_logits = {
+            i: logits[i, end - batch.num_new_tokens[i] : end]
+            for i, (end, wanted) in enumerate(zip(ends, wants_prompt))
+            if wanted
+        }
+        return StepLogits(sample_logits, prompt_logits)

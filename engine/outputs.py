@@ -1,0 +1,73 @@
+"""What the engine hands back: per-step deltas (RequestOutput) and their accumulation into a Completion."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import TokenLogprob
+
+
+@dataclass
+class RequestOutput:
+    """One step's news for one of a request's samples. Text deltas concatenate to the full output text."""
+
+    request_id: str
+    index: int  # which of the request's n samples
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None  # one per token in token_ids, when asked for
+    finish_reason: str | None  # "stop" | "length" on the last delta of this sample, else None
+    stop_reason: str | int | None  # the stop string or stop token id that ended it, if any
+    num_prompt_tokens: int
+    num_output_tokens: int  # so far, for this sample
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first delta, when asked for
+
+
+@dataclass
+class Choice:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class Completion:
+    request_id: str
+    num_prompt_tokens: int = 0
+    choices: list[Choice] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    def add(self, out: RequestOutput) -> None:
+        while len(self.choices) <= out.index:
+            self.choices.append(Choice(index=len(self.choices)))
+        choice = self.choices[out.index]
+        choice.token_ids += out.token_ids
+        choice.text += out.text
+        if out.logprobs is not None:
+            choice.logprobs = (choice.logprobs or []) + out.logprobs
+        if out.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        self.num_prompt_tokens = out.num_prompt_tokens
+
+
+@dataclass
+class ContinuationScore:
+    """Log-likelihood of one continuation given a context (the /v1/loglikelihood contract)."""
+
+    logprob: float  # sum over the continuation's tokens
+    is_greedy: bool  # every continuation token was the model's top choice
+    token_ids: list[int]
+    token_logprobs: list[float]
+    top_token_ids: list[int]  # the model's top choice at each continuation position
+
+    @property
+    def mean_logprob(self) -> float:
+        return self.logprob / max(len(self.token_ids), 1)

@@ -1,0 +1,90 @@
+"""One forward pass for a scheduled batch: build the input tensors, run the model, return the logits asked for."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.models.attention import AttentionMetadata
+from engine.scheduler import ScheduledBatch
+
+
+@dataclass
+class StepLogits:
+    sample_logits: torch.Tensor  # [number of sampling sequences, V] float32, in batch order
+    prompt_logits: dict[int, torch.Tensor]  # batch index -> [chunk length, V]: logits at every new position
+
+
+class ModelRunner:
+    """Runs the native model against the paged KV cache. Owns nothing but scratch; called from one thread."""
+
+    def __init__(self, model, kv_cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.kv_layers = kv_cache.layers()
+        self.block_size = kv_cache.block_size
+        self.device = device
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, samples: list[bool], wants_prompt: list[bool]) -> StepLogits:
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_layers, meta)
+        return _select_logits(self.model, hidden, batch, samples, wants_prompt)
+
+    def _prepare(self, batch: ScheduledBatch):
+        block_size, device = self.block_size, self.device
+        starts = [seq.num_computed_tokens for seq in batch.seqs]
+        lengths = batch.num_new_tokens
+        token_ids: list[int] = []
+        positions: list[int] = []
+        for seq, start, length in zip(batch.seqs, starts, lengths):
+            token_ids += seq.token_ids[start : start + length]
+            positions += range(start, start + length)
+
+        num_seqs, max_query = len(lengths), max(lengths)
+        context_lens = torch.tensor([s + n for s, n in zip(starts, lengths)], device=device)
+        max_context = int(context_lens.max())
+        max_blocks = -(-max_context // block_size)
+        tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long, device=device)
+        for i, seq in enumerate(batch.seqs):
+            row = seq.block_table[:max_blocks]
+            tables[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+
+        key_pos = torch.arange(max_context, device=device)
+        context_slots = tables[:, key_pos // block_size] * block_size + key_pos % block_size  # [B, L]
+        positions_t = torch.tensor(positions, dtype=torch.long, device=device)
+        offsets = torch.tensor([0, *lengths], device=device).cumsum(0)[:-1]  # where each seq starts in T
+        batch_index = torch.repeat_interleave(torch.arange(num_seqs, device=device), torch.tensor(lengths, device=device))
+        slot_mapping = context_slots[batch_index, positions_t]
+
+        query_j = torch.arange(max_query, device=device)
+        lengths_t = torch.tensor(lengths, device=device)
+        query_index = torch.where(query_j[None] < lengths_t[:, None], offsets[:, None] + query_j[None], 0)
+        output_index = batch_index * max_query + (torch.arange(len(token_ids), device=device) - offsets[batch_index])
+
+        if all(start == 0 for start in starts):
+            attn_mask = None  # a fresh prefill of every sequence: plain causal attention over its own tokens
+        else:
+            starts_t = torch.tensor(starts, device=device)
+            query_pos = starts_t[:, None] + query_j[None]  # [B, Q]
+            attn_mask = (key_pos[None, None] <= query_pos[:, :, None]) & (key_pos[None, None] < context_lens[:, None, None])
+            attn_mask = attn_mask[:, None]  # [B, 1, Q, L]
+
+        meta = AttentionMetadata(slot_mapping, query_index, output_index, context_slots, attn_mask)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+        return input_ids, positions_t, meta
+
+
+def _select_logits(model, hidden, batch: ScheduledBatch, samples, wants_prompt) -> StepLogits:
+    """Only the positions someone reads get logits: each sampler's last token, and every new position of a
+    sequence whose prompt logprobs were asked for (echo, scoring)."""
+    ends = torch.tensor(batch.num_new_tokens).cumsum(0).tolist()
+    last_rows = [end - 1 for end, s in zip(ends, samples) if s]
+    sample_logits = model.compute_logits(hidden[last_rows]) if last_rows else hidden.new_empty(0, 0)
+    prompt_logits = {}
+    for i, wanted in enumerate(wants_prompt):
+        if wanted:
+            start = ends[i] - batch.num_new_tokens[i]
+            prompt_logits[i] = model.compute_logits(hidden[start : ends[i]])
+    return StepLogits(sample_logits, prompt_logits)

@@ -1,0 +1,107 @@
+"""Turn a batch of next-token logits into tokens and logprobs: penalties, temperature, top-k/top-p/min-p, seeds.
+
+Every sequence samples with its own torch.Generator, so a seeded request draws the same tokens whatever else
+shares its batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.request import Sequence, TokenLogprob
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) -> list[tuple[int, TokenLogprob | None]]:
+    """logits: [N, V] float32, one row per sequence. Returns (token_id, logprob or None) per row."""
+    want_logprobs = [seq.params.logprobs is not None for seq in seqs]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+    logits = _process(logits, seqs, eos_ids)
+
+    token_ids = logits.argmax(dim=-1)
+    random_rows = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        probs = _probabilities(logits[rows], [seqs[i] for i in random_rows])
+        for j, i in enumerate(random_rows):
+            token_ids[i] = _draw(probs[j], seqs[i].generator)
+
+    token_list = token_ids.tolist()
+    results: list[tuple[int, TokenLogprob | None]] = []
+    for i, seq in enumerate(seqs):
+        logprob = None
+        if want_logprobs[i]:
+            logprob = token_logprob(raw_logprobs[i], token_list[i], seq.params.logprobs)
+        results.append((token_list[i], logprob))
+    return results
+
+
+def token_logprob(row_logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
+    """Logprob of token_id in one row of log-softmaxed logits, with the num_top best alternatives."""
+    top: list[tuple[int, float]] = []
+    if num_top > 0:
+        values, ids = row_logprobs.topk(num_top)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token_id, float(row_logprobs[token_id]), top)
+
+
+def _process(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) -> torch.Tensor:
+    """Penalties, logit_bias and min_tokens, row by row; only rows that ask for them pay for them."""
+    cloned = False
+    for i, seq in enumerate(seqs):
+        params = seq.params
+        banned = seq.num_output_tokens < params.min_tokens
+        if not (params.has_penalties or banned):
+            continue
+        if not cloned:
+            logits, cloned = logits.clone(), True
+        row = logits[i]
+        if params.repetition_penalty != 1.0:
+            # As transformers and vLLM: over prompt and output, shrink positive logits and grow negative ones.
+            seen = torch.tensor(sorted(set(seq.token_ids)), device=row.device, dtype=torch.long)
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+        if params.presence_penalty or params.frequency_penalty:
+            # As OpenAI: over the generated tokens only.
+            output = torch.tensor(seq.output_ids, device=row.device, dtype=torch.long)
+            counts = torch.bincount(output, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
+            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+        for token_id, bias in params.logit_bias.items():
+            row[token_id] += bias
+        if banned:
+            for token_id in (*eos_ids, *params.stop_token_ids):
+                row[token_id] = float("-inf")
+    return logits
+
+
+def _probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p cuts, for the rows that sample at random."""
+    temperatures = torch.tensor([s.params.temperature for s in seqs], device=logits.device, dtype=logits.dtype)
+    logits = logits / temperatures[:, None]
+    if any(s.params.has_truncation for s in seqs):
+        logits = _truncate(logits, seqs)
+    return torch.softmax(logits, dim=-1)
+
+
+def _truncate(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    device = logits.device
+    top_k = torch.tensor([s.params.top_k or vocab for s in seqs], device=device)
+    top_p = torch.tensor([s.params.top_p for s in seqs], device=device, dtype=logits.dtype)
+    min_p = torch.tensor([s.params.min_p for s in seqs], device=device, dtype=logits.dtype)
+
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=device)[None, :]
+    remove = ranks >= top_k[:, None]
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    remove |= mass_before >= top_p[:, None]
+    remove |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
+    remove[:, 0] = False  # the most likely token always survives
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    # Exponential race (argmax of p / Exp(1)) equals sampling from p, and draws from this sequence's generator.
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return int((probs / noise).argmax())

@@ -1,0 +1,117 @@
+"""Scheduler: which sequences run in the next step and how many tokens each; preempts when KV blocks run out.
+
+Plain Python, no tensors. One policy for prefill and decode (as vLLM v1): every step spends a token budget,
+first on running sequences (one token each when decoding, a chunk when a long prompt is still prefilling), then
+on waiting ones in arrival order. Prompts longer than the budget are prefilled in chunks across steps, so a long
+prompt never stalls the sequences already decoding for more than one budget's worth of work.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv_cache import BlockAllocator, blocks_needed
+from engine.request import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        preemptions_before = self.num_preemptions
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._grow(seq, num_new):
+                continue  # seq itself was preempted; running shrank, so index i is already the next one
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+            i += 1
+        # Admitting new work right after preempting would only preempt again.
+        preempted = self.num_preemptions > preemptions_before
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            needed = blocks_needed(seq.num_computed_tokens + num_new, self.block_size) - len(seq.block_table)
+            if not self.allocator.can_allocate(needed):
+                break
+            self.waiting.popleft()
+            seq.block_table += self.allocator.allocate(needed)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        return batch
+
+    def mark_computed(self, batch: ScheduledBatch) -> None:
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence for good (finished or aborted) and free its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self._free_blocks(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _grow(self, seq: Sequence, num_new: int) -> bool:
+        """Give seq blocks for num_new more tokens, preempting the latest arrivals if needed.
+
+        Returns False when seq itself had to be preempted."""
+        needed = blocks_needed(seq.num_computed_tokens + num_new, self.block_size) - len(seq.block_table)
+        while not self.allocator.can_allocate(needed):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        seq.block_table += self.allocator.allocate(needed)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's blocks and put it first in line; its tokens are recomputed when it returns."""
+        self.running.remove(seq)
+        self._free_blocks(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_table)
+        seq.block_table = []

@@ -1,0 +1,80 @@
+"""Tokenizer-facing helpers shared by the API and the UI: chat templates, token text and bytes, EOS ids."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from engine.errors import NoChatTemplateError
+
+# End-of-turn markers of common chat templates; a model whose vocabulary has one stops on it like on EOS.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>")
+
+
+class TokenizerView:
+    """Wraps a Hugging Face tokenizer with the few calls the engine's users need, cached where it pays."""
+
+    def __init__(self, tokenizer, generation_eos: int | list[int] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        self.eos_ids = self._eos_ids(generation_eos)
+        self._byte_decoder = _byte_decoder() if self._is_byte_level() else None
+        self.token_text = lru_cache(maxsize=65536)(self._token_text)
+        self.token_bytes = lru_cache(maxsize=65536)(self._token_bytes)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Chat messages -> prompt text. Tokenize it with add_special_tokens=False: the template has the BOS."""
+        if not self.has_chat_template:
+            raise NoChatTemplateError("this model's tokenizer has no chat template; use /v1/completions", "messages")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes a token stands for (a byte-level token may be part of a UTF-8 character)."""
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if self._byte_decoder is not None and piece is not None and all(c in self._byte_decoder for c in piece):
+            return bytes(self._byte_decoder[c] for c in piece)
+        if piece and piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+            return bytes([int(piece[3:5], 16)])  # SentencePiece byte-fallback token
+        return self._token_text(token_id).encode("utf-8")
+
+    def _eos_ids(self, generation_eos) -> frozenset[int]:
+        ids: set[int] = set()
+        if isinstance(generation_eos, int):
+            ids.add(generation_eos)
+        elif generation_eos:
+            ids.update(generation_eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        vocab = self.tokenizer.get_vocab()
+        ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+        return frozenset(ids)
+
+    def _is_byte_level(self) -> bool:
+        # Byte-level BPE (GPT-2 style) spells a space as "Ġ"; SentencePiece uses "▁".
+        vocab = self.tokenizer.get_vocab()
+        return "Ġ" in vocab or "Ġthe" in vocab
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode table."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    codes = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, codes)}
