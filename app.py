@@ -35,8 +35,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         description="Tern: an LLM server with an OpenAI-compatible API at /v1 and a web UI at /. "
         "Every flag can also be set with the TERN_* environment variable named in its help.",
     )
-    parser.add_argument("--host", default=env("TERN_HOST", "0.0.0.0"), help="address to bind (TERN_HOST)")
-    parser.add_argument("--port", type=int, default=int(env("TERN_PORT", "7860")), help="port (TERN_PORT)")
+    parser.add_argument("--host", default=env("TERN_HOST", "0.0.0.0"), help="address to bind (default %(default)s; TERN_HOST)")
+    parser.add_argument("--port", type=int, default=int(env("TERN_PORT", "7860")), help="port (default %(default)s; TERN_PORT)")
     parser.add_argument(
         "--model",
         default=env("TERN_MODEL"),

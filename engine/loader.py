@@ -158,6 +158,7 @@ def build_native(hf_config, state_dict: dict[str, torch.Tensor], dtype, device) 
         raise ModelLoadError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
+    model.fuse_projections()
     return model
 
 

@@ -28,6 +28,18 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def _fused_linear(*parts: nn.Linear) -> nn.Linear:
+    first = parts[0]
+    has_bias = first.bias is not None
+    fused = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=has_bias,
+                      device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if has_bias:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    return fused
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -59,11 +71,21 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
+    def fuse(self) -> None:
+        """One matmul instead of three: at batch 1 each call's fixed cost matters as much as its bytes."""
+        self.qkv_proj = _fused_linear(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -80,8 +102,16 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = ACT2FN[config.hidden_act]
 
+    def fuse(self) -> None:
+        self.gate_up_proj = _fused_linear(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -119,6 +149,12 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
+
+    def fuse_projections(self) -> None:
+        """Merge q/k/v and gate/up weights after loading (the checkpoint keeps them apart)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def build_rope_tables(self, max_len: int, device, dtype) -> None:
         """Precompute cos/sin for every position once, with transformers' own RoPE (all rope_type variants)."""

