@@ -37,6 +37,8 @@ QUESTIONS = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="checkpoint folder, .gguf or hub id (default: the default model)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
@@ -45,7 +47,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
-    engine = Engine(EngineConfig(dtype=args.dtype)).start()
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                 max_num_seqs=max(64, args.streams))).start()
     hf_model = _load_transformers(engine)
     tokenizer = engine.tokenizer
     prompts = [
@@ -55,6 +58,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
 
     def engine_run(batch):
+        _sync(engine.device)
         start = time.perf_counter()
         completions = engine.generate(batch, params)
         assert all(len(c.choices[0].token_ids) == args.tokens for c in completions)
@@ -63,12 +67,14 @@ def main() -> None:
     def generate_run(batch):
         start = time.perf_counter()
         _generate(hf_model, batch, args.tokens, engine.tokenizer.tokenizer.pad_token_id or 0)
+        _sync(engine.device)
         return len(batch) * args.tokens / (time.perf_counter() - start)
 
     def generate_sequential(batch):
         start = time.perf_counter()
         for prompt in batch[: args.sequential_sample]:
             _generate(hf_model, [prompt], args.tokens, 0)
+        _sync(engine.device)
         return args.sequential_sample * args.tokens / (time.perf_counter() - start)
 
     engine_run(prompts[:2])  # warm-up both
@@ -97,6 +103,11 @@ def main() -> None:
         print(f"| {case} | {median[ours]:.1f} | {label} | {median[base]:.1f} | {median[ours] / median[base]:.2f}x |")
     if args.json:
         args.json.write_text(json.dumps({"median": median, "runs": results}, indent=2))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _load_transformers(engine: Engine):

@@ -63,15 +63,19 @@ class ModelRunner:
         query_index = torch.where(query_j[None] < lengths_t[:, None], offsets[:, None] + query_j[None], 0)
         output_index = batch_index * max_query + (torch.arange(len(token_ids), device=device) - offsets[batch_index])
 
+        is_decode = max_query == 1
+        is_causal = True
         if all(start == 0 for start in starts):
             attn_mask = None  # a fresh prefill of every sequence: plain causal attention over its own tokens
+        elif is_decode and num_seqs == 1:
+            attn_mask, is_causal = None, False  # one query that sees its whole context
         else:
             starts_t = torch.tensor(starts, device=device)
             query_pos = starts_t[:, None] + query_j[None]  # [B, Q]
             attn_mask = (key_pos[None, None] <= query_pos[:, :, None]) & (key_pos[None, None] < context_lens[:, None, None])
             attn_mask = attn_mask[:, None]  # [B, 1, Q, L]
 
-        meta = AttentionMetadata(slot_mapping, query_index, output_index, context_slots, attn_mask)
+        meta = AttentionMetadata(slot_mapping, query_index, output_index, context_slots, attn_mask, is_causal, is_decode)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
         return input_ids, positions_t, meta
 

@@ -27,10 +27,13 @@ def default_checkpoint() -> Path:
 
 
 @pytest.fixture(scope="session")
-def default_tokenizer(default_checkpoint):
+def default_tokenizer(request):
+    """The default model's tokenizer; TERN_TEST_TOKENIZER names a folder holding only tokenizer files, for
+    machines (the GPU box) where the default model itself is not installed and only tiny models run."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(default_checkpoint)
+    folder = os.environ.get("TERN_TEST_TOKENIZER") or request.getfixturevalue("default_checkpoint")
+    return AutoTokenizer.from_pretrained(folder)
 
 
 @pytest.fixture(scope="session")
@@ -65,11 +68,12 @@ def tiny_config(model_type: str = "llama", vocab_size: int = 49152, **overrides)
     return AutoConfig.for_model(model_type, **common)
 
 
-def build_tiny(hf_config, tokenizer, seed: int = 0):
+def build_tiny(hf_config, tokenizer, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """(transformers model, LoadedModel for the engine) sharing the same random weights."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    device = torch.device(device)
     hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
     with torch.no_grad():  # random init of RMSNorm weights is all ones; perturb so norms are exercised
         for name, param in hf_model.named_parameters():
@@ -77,10 +81,11 @@ def build_tiny(hf_config, tokenizer, seed: int = 0):
                 param.add_(0.1 * torch.randn_like(param))
     native = hf_config.model_type in ("llama", "mistral", "qwen2", "qwen3")
     if native:
-        model = build_native(hf_config, dict(hf_model.state_dict()), torch.float32, torch.device("cpu"))
+        model = build_native(hf_config, dict(hf_model.state_dict()), dtype, device)
+        hf_model = hf_model.to(device=device, dtype=dtype)
     else:
-        model = hf_model
-    loaded = LoadedModel(model, tokenizer, hf_config, f"tiny-{hf_config.model_type}", ROOT, native, torch.device("cpu"), torch.float32)
+        model = hf_model = hf_model.to(device=device, dtype=dtype)
+    loaded = LoadedModel(model, tokenizer, hf_config, f"tiny-{hf_config.model_type}", ROOT, native, device, dtype)
     return hf_model, loaded
 
 
@@ -89,10 +94,11 @@ def tiny_engine_factory(default_tokenizer):
     """Build engines on tiny random models; every engine made is stopped after the test."""
     engines = []
 
-    def make(model_type: str = "llama", seed: int = 0, config_overrides: dict | None = None, **engine_config):
+    def make(model_type: str = "llama", seed: int = 0, config_overrides: dict | None = None, device: str = "cpu",
+             dtype: str = "float32", **engine_config):
         hf_config = tiny_config(model_type, **(config_overrides or {}))
-        hf_model, loaded = build_tiny(hf_config, default_tokenizer, seed)
-        engine = Engine(EngineConfig(dtype="float32", **engine_config), loaded=loaded).start()
+        hf_model, loaded = build_tiny(hf_config, default_tokenizer, seed, device, getattr(torch, dtype))
+        engine = Engine(EngineConfig(dtype=dtype, device=device, **engine_config), loaded=loaded).start()
         engines.append(engine)
         return engine, hf_model
 
