@@ -43,6 +43,7 @@ class EngineStats:
     num_kv_blocks_free: int
     num_preemptions: int
     tokens_per_s: float  # generated tokens per second over the last few seconds
+    num_prefix_cache_hits: int = 0  # KV blocks reused from the prefix cache since start
 
     @property
     def kv_cache_usage(self) -> float:
@@ -84,7 +85,11 @@ class Engine:
         self.max_model_len = max_model_len
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(
-            self.allocator, block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens
+            self.allocator,
+            block_size,
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            enable_prefix_caching=self.config.enable_prefix_caching and self.loaded.is_native,
         )
 
         self._seq_ids = itertools.count()
@@ -194,6 +199,7 @@ class Engine:
             self.allocator.num_free,
             self.scheduler.num_preemptions,
             tokens_per_s,
+            self.allocator.num_cached_hits,
         )
 
     # Validation (caller's thread).

@@ -1,7 +1,9 @@
 """Paged KV storage and its block allocator (free list + reference counts)."""
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
 
 import torch
 
@@ -9,16 +11,21 @@ import torch
 class BlockAllocator:
     """Hands out fixed-size KV blocks by id. Plain Python: the scheduler uses it without touching tensors.
 
-    Reference counts let several sequences share a block later (prefix caching, n > 1); today every block has
-    one owner.
+    Prefix caching: a full block can be registered under the hash of its tokens (and of every token before
+    it). A freed block keeps its hash and stays findable until it is handed out again; the free list is in
+    order of release, so the least recently used cached blocks are reused first. Reference counts let several
+    sequences share one cached block.
     """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}  # block -> hash of its content, for registered blocks
+        self._block_of: dict[bytes, int] = {}  # the inverse
+        self.num_cached_hits = 0  # blocks reused from the cache since start
 
     @property
     def num_free(self) -> int:
@@ -34,9 +41,12 @@ class BlockAllocator:
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise MemoryError(f"asked for {count} KV blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(count)]
-        for block in blocks:
+        blocks = []
+        for _ in range(count):
+            block, _ = self._free.popitem(last=False)
+            self._forget(block)  # its old content is about to be overwritten
             self._ref_counts[block] = 1
+            blocks.append(block)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
@@ -44,7 +54,35 @@ class BlockAllocator:
             assert self._ref_counts[block] > 0, f"block {block} freed twice"
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                self._free.append(block)
+                self._free[block] = None
+
+    def register(self, block: int, content_hash: bytes) -> None:
+        """Record that block now holds the (full) content with this hash."""
+        if content_hash not in self._block_of and block not in self._hash_of:
+            self._block_of[content_hash] = block
+            self._hash_of[block] = content_hash
+
+    def take_cached(self, content_hash: bytes) -> int | None:
+        """The block holding this content, with one more reference, or None if no block holds it."""
+        block = self._block_of.get(content_hash)
+        if block is None:
+            return None
+        if self._ref_counts[block] == 0:
+            del self._free[block]
+        self._ref_counts[block] += 1
+        self.num_cached_hits += 1
+        return block
+
+    def _forget(self, block: int) -> None:
+        content_hash = self._hash_of.pop(block, None)
+        if content_hash is not None:
+            del self._block_of[content_hash]
+
+
+def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
+    """Hash of a full block's tokens chained to the hash of the blocks before it (a cryptographic hash: a
+    client must not be able to craft a collision and read another client's cached context)."""
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

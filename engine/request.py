@@ -54,6 +54,7 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # content hash of each full block of block_table (prefix caching)
         self.status = SequenceStatus.WAITING
         self.generator = generator
         self.output_text = output_text  # engine.stops.OutputText

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_cache import BlockAllocator, blocks_needed
+from engine.kv_cache import BlockAllocator, block_hash, blocks_needed
 from engine.request import Sequence, SequenceStatus
 
 
@@ -28,8 +28,16 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool = False,
+    ):
         self.allocator = allocator
+        self.enable_prefix_caching = enable_prefix_caching
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -63,9 +71,13 @@ class Scheduler:
         preempted = self.num_preemptions > preemptions_before
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            reused = self._reuse_cached_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             needed = blocks_needed(seq.num_computed_tokens + num_new, self.block_size) - len(seq.block_table)
             if not self.allocator.can_allocate(needed):
+                if reused:  # hand the cached blocks back rather than hold them while waiting
+                    self._free_blocks(seq)
+                    seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             seq.block_table += self.allocator.allocate(needed)
@@ -79,6 +91,8 @@ class Scheduler:
     def mark_computed(self, batch: ScheduledBatch) -> None:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
+            if self.enable_prefix_caching:
+                self._register_full_blocks(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a sequence for good (finished or aborted) and free its blocks at once."""
@@ -102,6 +116,31 @@ class Scheduler:
         seq.block_table += self.allocator.allocate(needed)
         return True
 
+    def _reuse_cached_prefix(self, seq: Sequence) -> bool:
+        """Point a fresh sequence at cached blocks holding its leading tokens, so they are not computed again.
+        At least one token is left to compute: the step needs it to produce the next token's logits."""
+        if not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table or seq.wants_prompt_logprobs:
+            return False
+        size = self.block_size
+        for start in range(0, seq.num_tokens - 1 - size + 1, size):
+            parent = seq.block_hashes[-1] if seq.block_hashes else b""
+            content_hash = block_hash(parent, seq.token_ids[start : start + size])
+            block = self.allocator.take_cached(content_hash)
+            if block is None:
+                break
+            seq.block_table.append(block)
+            seq.block_hashes.append(content_hash)
+        seq.num_computed_tokens = len(seq.block_table) * size
+        return bool(seq.block_table)
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        size = self.block_size
+        for index in range(len(seq.block_hashes), seq.num_computed_tokens // size):
+            parent = seq.block_hashes[-1] if seq.block_hashes else b""
+            content_hash = block_hash(parent, seq.token_ids[index * size : (index + 1) * size])
+            seq.block_hashes.append(content_hash)
+            self.allocator.register(seq.block_table[index], content_hash)
+
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks and put it first in line; its tokens are recomputed when it returns."""
         self.running.remove(seq)
@@ -115,3 +154,4 @@ class Scheduler:
     def _free_blocks(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
         seq.block_table = []
+        seq.block_hashes = []

@@ -241,3 +241,20 @@ def test_many_threads_submitting_at_once(tiny_engine_factory):
     for t in threads:
         t.join(timeout=60)
     assert [results[i] for i in range(8)] == expected
+
+
+def test_a_repeated_prompt_prefix_is_served_from_the_cache_with_the_same_result(tiny_engine_factory):
+    engine, _ = tiny_engine_factory()
+    uncached, _ = tiny_engine_factory(enable_prefix_caching=False)
+    system = _prompts(1, seed=21)[0] * 3  # a long shared prefix (several 16-token blocks)
+    first_prompt, second_prompt = system + [11, 12, 13], system + [14, 15]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    [first] = engine.generate([first_prompt], params)
+    hits_before = engine.stats().num_prefix_cache_hits
+    [second] = engine.generate([second_prompt], params)
+    assert engine.stats().num_prefix_cache_hits - hits_before == len(system) // 16
+    [reference] = uncached.generate([second_prompt], params)
+    assert second.choices[0].token_ids == reference.choices[0].token_ids
+    for ours, theirs in zip(second.choices[0].logprobs, reference.choices[0].logprobs):
+        assert abs(ours.logprob - theirs.logprob) < 1e-4
+    assert uncached.stats().num_prefix_cache_hits == 0

@@ -85,3 +85,52 @@ def test_finish_frees_blocks_at_once():
     assert scheduler.allocator.num_used == 3
     scheduler.finish(seq)
     assert scheduler.allocator.num_used == 0 and not scheduler.has_work
+
+
+def test_prefix_cache_reuses_full_blocks_of_a_shared_prompt():
+    allocator = BlockAllocator(16)
+    scheduler = Scheduler(allocator, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=True)
+    first = _seq(0, 10)  # blocks [0-3] [4-7] full, [8-9] partial
+    scheduler.add(first)
+    _step(scheduler)
+    first_blocks = list(first.block_table)
+    scheduler.finish(first)  # its blocks go back to the free list but stay findable
+
+    again = _seq(1, 10)  # the same tokens
+    scheduler.add(again)
+    batch = scheduler.schedule()
+    assert again.block_table[:2] == first_blocks[:2]
+    assert batch.num_new_tokens == [2]  # two full blocks reused; only the tail is computed
+    assert allocator.num_cached_hits == 2
+
+
+def test_prefix_cache_always_leaves_a_token_to_compute_and_stops_at_the_first_difference():
+    allocator = BlockAllocator(16)
+    scheduler = Scheduler(allocator, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=True)
+    first = _seq(0, 8)
+    scheduler.add(first)
+    _step(scheduler)
+    scheduler.finish(first)
+
+    exact = _seq(1, 8)  # fully cached: the last block is recomputed so the step has logits to sample from
+    scheduler.add(exact)
+    assert scheduler.schedule().num_new_tokens == [4]
+    scheduler.finish(exact)
+
+    differs = _seq(2, 8)
+    differs.token_ids[1] = 999  # the first block differs, so nothing after it can be reused either
+    scheduler.add(differs)
+    assert scheduler.schedule().num_new_tokens == [8]
+
+
+def test_cached_blocks_are_reused_for_new_content_when_the_pool_runs_out():
+    allocator = BlockAllocator(3)
+    scheduler = Scheduler(allocator, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=True)
+    first = _seq(0, 8)
+    scheduler.add(first)
+    _step(scheduler)
+    scheduler.finish(first)
+    other = Sequence(1, Request("r1", list(range(100, 111)), SamplingParams()), 0, generator=None, output_text=None)
+    scheduler.add(other)  # needs all 3 blocks: the cached ones are evicted, not leaked
+    assert scheduler.schedule().num_new_tokens == [11]
+    assert allocator.num_free == 0
