@@ -1,50 +1,68 @@
-"""Gradio UI at "/": a minimal streaming chat over the in-process engine (the full UI is its own issue)."""
+"""Gradio UI at "/": Chat, Complete, Score and Server tabs over the in-process engine (never over HTTP)."""
 from __future__ import annotations
+
+from functools import partial
 
 import gradio as gr
 
-from engine import EngineHandle, EngineError, SamplingParams
+from engine import EngineHandle
+from ui.chat import build_chat_tab
+from ui.complete import build_complete_tab
+from ui.scoring import build_scoring_tab
+from ui.server import build_server_tab, describe_model
+
+__all__ = ["build_ui"]
+
+HEADER_REFRESH_S = 3.0  # until the model has loaded
+
+# app.py mounts with gr.mount_gradio_app(..., css=None), which resets Blocks(css=...); a <style> element inside
+# the page works either way. Token colours are inline styles, so the views stay readable even without it.
+PAGE_CSS = """
+<style>
+#tern-header h1 { margin-bottom: 0.2em; }
+#tern-header p { color: var(--body-text-color); opacity: 0.85; margin-top: 0; }
+@media (max-width: 640px) { #tern-header h1 { font-size: 1.6em; } }
+.tern-token { border-radius: 3px; padding: 1px 0; cursor: help; box-decoration-break: clone;
+  -webkit-box-decoration-break: clone; position: relative; }
+.tern-token:hover { outline: 1px solid #6b7280; }
+.tern-token:focus { outline: 2px solid #2563eb; }
+.tern-token:focus::after { content: attr(title); position: absolute; left: 0; top: 1.9em; z-index: 50;
+  white-space: pre; max-width: 80vw; overflow: hidden; text-overflow: ellipsis; font: 12px/1.5 ui-monospace, monospace;
+  background: #111827; color: #f9fafb; padding: 6px 8px; border-radius: 6px; box-shadow: 0 4px 14px rgba(0,0,0,.25); }
+.tern-legend { font-size: 12px; color: var(--body-text-color-subdued); margin-top: 6px; }
+.tern-legend-swatch { border-radius: 3px; padding: 0 6px; margin-left: 4px; }
+.tern-score-row { display: flex; gap: 10px; align-items: baseline; padding: 4px 0;
+  border-bottom: 1px solid var(--border-color-primary); }
+.tern-score-rank { font-weight: 600; min-width: 2em; color: var(--body-text-color-subdued); }
+#chat-notice p, #score-notice p, #complete-status p { margin: 0; }
+</style>
+"""
 
 
 def build_ui(handle: EngineHandle) -> gr.Blocks:
-    async def chat(message: str, history: list[dict], temperature: float, max_tokens: int):
-        engine = handle.engine
-        if engine is None:
-            yield "The model is still loading; try again in a few seconds."
-            return
-        messages = [{"role": m["role"], "content": _text(m["content"])} for m in history]
-        messages.append({"role": "user", "content": message})
-        try:
-            prompt = engine.tokenizer.render_chat(messages)
-            prompt_ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
-            stream = engine.submit(prompt_ids, SamplingParams(temperature=temperature, max_tokens=int(max_tokens)))
-        except EngineError as exc:
-            yield f"⚠️ {exc.message}"
-            return
-        reply = ""
-        try:
-            async for out in stream:
-                reply += out.text
-                yield reply
-        finally:
-            if not stream.finished:  # Stop pressed or the browser went away
-                engine.abort(stream.request_id)
-
+    """The whole UI; handlers reach the engine through `handle`, so it can be built before the model loads."""
     with gr.Blocks(title="Tern") as blocks:
-        gr.Markdown("# Tern\nChat with the served model. The OpenAI-compatible API is at `/v1`.")
-        temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="Temperature", render=False)
-        max_tokens = gr.Slider(1, 2048, value=256, step=1, label="Max tokens", render=False)
-        gr.ChatInterface(
-            chat,
-            additional_inputs=[temperature, max_tokens],
-            concurrency_limit=None,  # the engine batches concurrent users itself
-        )
+        gr.HTML(PAGE_CSS, padding=False, elem_id="tern-style")
+        header = gr.Markdown(describe_model(handle), elem_id="tern-header")
+        with gr.Tabs():
+            with gr.Tab("Chat", id="chat"):
+                build_chat_tab(handle)
+            with gr.Tab("Complete", id="complete"):
+                build_complete_tab(handle)
+            with gr.Tab("Score", id="score"):
+                build_scoring_tab(handle)
+            with gr.Tab("Server", id="server"):
+                build_server_tab(handle, blocks)
+
+        header_timer = gr.Timer(HEADER_REFRESH_S)
+        header_timer.tick(partial(_refresh_header, handle), None, [header, header_timer], show_progress="hidden",
+                          queue=False)
+        blocks.load(partial(_refresh_header, handle), None, [header, header_timer], queue=False)
+    # Generating events already say concurrency_limit=None; this covers the rest: the engine batches users itself.
+    blocks.queue(default_concurrency_limit=None)
     return blocks
 
 
-def _text(content) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(part.get("text", "") if isinstance(part, dict) else str(part) for part in content)
-    return str(content)
+def _refresh_header(handle: EngineHandle) -> tuple[str, gr.Timer]:
+    """The model description; the timer stops once the engine is up (or has failed)."""
+    return describe_model(handle), gr.Timer(active=not (handle.is_ready or handle.error))

@@ -1,0 +1,165 @@
+"""The Gradio UI in a real browser (Debian's chromium via Playwright) against the real server: chat streaming,
+Stop, token probabilities, scoring, and screenshots of every tab under test-artifacts/ (laptop and phone widths)."""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from conftest import ARTIFACTS
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+    "--disable-sync", "--no-first-run",
+]
+LAPTOP = {"width": 1366, "height": 900}
+PHONE = {"width": 390, "height": 844}
+TIMEOUT_MS = 120_000  # generous: 2 shared CPU cores; every wait below is a bounded poll
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is missing: `make chromium` installs it"),
+]
+
+LAST_BOT_TEXT = """() => {
+  const bots = document.querySelectorAll('#chat-log [data-testid=bot]');
+  return bots.length ? bots[bots.length - 1].innerText : '';
+}"""
+
+
+@pytest.fixture(scope="module")
+def page(live_server):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport=LAPTOP)
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(live_server)
+        page.wait_for_selector("#chat-input textarea")
+        yield page
+        browser.close()
+
+
+def screenshot(page, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"ui-{name}.png"), full_page=True)
+
+
+def set_number(page, elem_id: str, value: str) -> None:
+    """Type into a slider's or number's text box and commit it, as a user would."""
+    box = page.locator(f"#{elem_id} input[type=number]")
+    box.fill(value)
+    box.press("Tab")
+
+
+def open_tab(page, name: str) -> None:
+    page.get_by_role("tab", name=name).click()
+
+
+def last_bot_text(page) -> str:
+    return page.evaluate(LAST_BOT_TEXT)
+
+
+def wait_for_reply(page, pattern: str) -> None:
+    """Until the last reply matches and the chat's progress indicator has gone (the reply is complete)."""
+    page.wait_for_function(f"() => /{pattern}/.test(({LAST_BOT_TEXT})())")
+    page.wait_for_function(
+        "() => document.querySelector('#chat-log [data-testid=status-tracker]').classList.contains('hide')"
+    )
+
+
+def test_chat_streams_a_reply(page):
+    page.locator("#chat-sampling").click()  # the collapsed sampling panel
+    set_number(page, "chat-temperature", "0")
+    page.fill("#chat-input textarea", "What is the capital of France?")
+    page.click("#chat-send")
+    wait_for_reply(page, "Paris")
+    assert "The capital of France is Paris" in last_bot_text(page)
+    screenshot(page, "chat")
+
+
+def test_token_probabilities_colour_each_token(page):
+    page.locator("#chat-show-probs input[type=checkbox]").check()
+    tokens = page.locator("#chat-log [data-testid=bot] .tern-token")
+    tokens.first.wait_for()
+    assert tokens.count() >= 5
+    colours = {tokens.nth(i).evaluate("e => getComputedStyle(e).backgroundColor") for i in range(tokens.count())}
+    assert all(c.startswith("rgb") for c in colours) and len(colours) >= 2, colours
+    title = tokens.nth(1).get_attribute("title")
+    assert "%" in title and "Top alternatives" in title  # what hovering shows
+    assert "Paris" in "".join(tokens.nth(i).inner_text() for i in range(tokens.count()))
+    tokens.nth(5).click()  # tapping (focusing) a token opens the same details as a styled popover
+    screenshot(page, "chat-token-probabilities")
+    page.locator("#chat-show-probs input[type=checkbox]").uncheck()
+    page.wait_for_function("() => !document.querySelector('#chat-log .tern-token')")
+
+
+def test_stop_ends_a_reply_mid_stream(page):
+    set_number(page, "chat-max-tokens", "1500")
+    page.fill("#chat-input textarea", "Write a very long story about a dragon who learns to paint.")
+    page.click("#chat-send")
+    page.wait_for_function(f"() => ({LAST_BOT_TEXT})().length > 40")  # streaming has begun
+    page.click("#chat-stop")
+    # The engine drops the request: the Server tab's live load returns to zero running requests.
+    open_tab(page, "Server")
+    page.wait_for_function(
+        "() => /Running requests\\s*0\\b/.test(document.querySelector('#server-stats').innerText)"
+    )
+    open_tab(page, "Chat")
+    stopped = last_bot_text(page)
+    assert len(stopped) > 40
+    # After the engine is idle the reply no longer grows; a later server refresh still finds it unchanged.
+    open_tab(page, "Server")
+    page.wait_for_function("() => /Running requests\\s*0\\b/.test(document.querySelector('#server-stats').innerText)")
+    open_tab(page, "Chat")
+    assert last_bot_text(page) == stopped
+    set_number(page, "chat-max-tokens", "256")
+
+
+def test_score_ranks_two_continuations(page):
+    open_tab(page, "Score")
+    page.fill("#score-prompt textarea", "The capital of France is")
+    page.fill("#score-continuations textarea", " a banana.\n Paris.")
+    page.click("#score-button")
+    page.locator("#score-tokens .tern-token").first.wait_for()
+    table = page.locator("#score-table").inner_text()
+    assert table.index("Paris") < table.index("banana"), table  # the likelier continuation ranks first
+    assert re.search(r"Most likely: .*Paris", page.locator("#score-notice").inner_text())
+    screenshot(page, "score")
+
+
+def test_complete_tab_streams_with_logprobs(page):
+    open_tab(page, "Complete")
+    page.fill("#complete-prompt textarea", "The three primary colours are")
+    page.locator("#complete-show-probs input[type=checkbox]").check()
+    page.click("#complete-generate")
+    page.wait_for_function("() => /finished/.test(document.querySelector('#complete-status').innerText)")
+    assert page.locator("#complete-output textarea").input_value().strip()
+    assert page.locator("#complete-tokens .tern-token").count() >= 1
+    screenshot(page, "complete")
+
+
+def test_server_tab_shows_model_and_sdk_snippet(page, live_server):
+    open_tab(page, "Server")
+    page.wait_for_function("() => /base_url/.test(document.querySelector('#server-snippet').innerText)")
+    assert f'base_url="{live_server}/v1"' in page.locator("#server-snippet").inner_text()
+    facts = page.locator("#server-model").inner_text()
+    assert "SmolLM2-135M-Instruct" in facts and "float32" in facts and "8,192 tokens" in facts
+    screenshot(page, "server")
+
+
+def test_phone_width_keeps_the_chat_usable(page):
+    page.set_viewport_size(PHONE)
+    try:
+        open_tab(page, "Chat")
+        assert "The capital of France is Paris" in page.locator("#chat-log").inner_text()  # the chat is intact
+        send = page.locator("#chat-send").bounding_box()
+        assert send is not None and send["x"] + send["width"] <= PHONE["width"]  # no sideways scrolling to send
+        screenshot(page, "phone-chat")
+        open_tab(page, "Score")
+        screenshot(page, "phone-score")
+    finally:
+        page.set_viewport_size(LAPTOP)

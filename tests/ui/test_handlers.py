@@ -1,0 +1,257 @@
+"""The UI's event handlers called directly, over the real default model (or tiny engines): the wiring of every
+control, Stop/Retry/Clear, errors shown as messages, the Score, Complete and Server tabs."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import gradio as gr
+import pytest
+
+from engine import EngineHandle, SamplingParams
+from ui.chat import add_user_message, build_messages, clear_chat, drop_last_reply, generate_reply, render_chatbot
+from ui.complete import complete_text
+from ui.scoring import score_continuations
+from ui.server import describe_model, live_stats, model_facts, openai_snippet
+
+pytestmark = pytest.mark.slow
+
+GREEDY = dict(system_prompt="", show_probs=False, temperature=0.0, top_p=1.0, top_k=0, max_tokens=24, seed="", stop="")
+
+
+@pytest.fixture(scope="module")
+def handle(default_engine) -> EngineHandle:
+    handle = EngineHandle()
+    handle.set_engine(default_engine)
+    return handle
+
+
+def collect(agen) -> list:
+    async def run():
+        return [out async for out in agen]
+
+    return asyncio.run(run())
+
+
+def chat(handle, history: list[dict], **overrides) -> tuple[list[dict], list[dict], str]:
+    """Run generate_reply to the end; -> its last (chatbot, history, notice)."""
+    args = {**GREEDY, **overrides}
+    return collect(generate_reply(handle, history, *args.values()))[-1]
+
+
+def ask(handle, message: str, history: list[dict] | None = None, **overrides) -> tuple[list[dict], list[dict], str]:
+    _, history, _, _ = add_user_message(message, history or [], False)
+    return chat(handle, history, **overrides)
+
+
+def reply_of(history: list[dict]) -> str:
+    assert history[-1]["role"] == "assistant"
+    return history[-1]["content"]
+
+
+def wait_until_idle(engine, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = engine.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_kv_blocks_used == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"engine still busy: {engine.stats()}")
+
+
+def test_greedy_reply_streams_and_is_correct(handle):
+    _, history, _, _ = add_user_message("What is the capital of France?", [], False)
+    outputs = collect(generate_reply(handle, history, *GREEDY.values()))
+    replies = [out[1][-1]["content"] for out in outputs]
+    assert len(replies) > 3  # streamed: one update per token, not one at the end
+    assert all(later.startswith(earlier) for earlier, later in zip(replies, replies[1:]))
+    assert replies[-1] == "The capital of France is Paris."
+    assert outputs[-1][0][-1] == {"role": "assistant", "content": "The capital of France is Paris."}
+
+
+def test_same_seed_gives_the_same_sampled_reply(handle):
+    sampled = dict(temperature=1.0, seed="1234", max_tokens=16)
+    first = reply_of(ask(handle, "Tell me a joke.", **sampled)[1])
+    assert reply_of(ask(handle, "Tell me a joke.", **sampled)[1]) == first
+
+
+def test_stop_sequence_cuts_the_reply(handle):
+    history = ask(handle, "What is the capital of France?", stop="Paris")[1]
+    assert reply_of(history) == "The capital of France is "
+
+
+def test_max_tokens_limits_the_reply_and_says_so(handle):
+    _, history, notice = ask(handle, "Write a long story about a dragon.", max_tokens=5)
+    assert len(history[-1]["tokens"]) == 5
+    assert "limit of 5 new tokens" in notice
+
+
+def test_system_prompt_reaches_the_template(handle):
+    pirate = "You are a pirate. Start every answer with Arr!"
+    assert build_messages([{"role": "user", "content": "hi"}], pirate)[0] == {"role": "system", "content": pirate}
+    assert reply_of(ask(handle, "What is your name?", system_prompt=pirate)[1]).startswith("Arr")
+    assert not reply_of(ask(handle, "What is your name?")[1]).startswith("Arr")
+
+
+def test_conversation_is_multi_turn(handle):
+    first = ask(handle, "My name is Alice.")[1]
+    second = ask(handle, "What is my name?", first)[1]
+    assert [turn["role"] for turn in second] == ["user", "assistant", "user", "assistant"]
+    # The earlier turns are in the prompt: the same question asked fresh gets a different greedy answer.
+    assert reply_of(second) != reply_of(ask(handle, "What is my name?")[1])
+
+
+def test_retry_regenerates_the_last_turn(handle):
+    sampled = dict(temperature=1.0, max_tokens=12)
+    history = ask(handle, "Tell me a joke.", seed="1", **sampled)[1]
+    retried, chatbot, _ = drop_last_reply(history, False)
+    assert retried == history[:-1] and len(chatbot) == 1
+    regenerated = chat(handle, retried, seed="2", **sampled)[1]
+    assert len(regenerated) == 2 and regenerated[0] == history[0]
+    assert reply_of(regenerated) != reply_of(history)
+
+
+def test_clear_empties_the_conversation():
+    assert clear_chat() == ([], [], "")
+
+
+def test_blank_message_is_not_sent():
+    assert add_user_message("   ", [], False)[1] == []
+
+
+def test_token_probabilities_colour_the_reply(handle):
+    history = ask(handle, "What is the capital of France?")[1]
+    tokens = history[-1]["tokens"]
+    assert "".join(t.text for t in tokens) == reply_of(history)  # EOS is left out of the view
+    assert all(t.logprob <= 0 and len(t.alternatives) == 5 for t in tokens)
+    plain, coloured = render_chatbot(history, False), render_chatbot(history, True)
+    assert plain[-1]["content"] == reply_of(history)
+    assert coloured[-1]["content"].count('class="tern-token"') == len(tokens)
+    assert coloured[0] == plain[0]  # the user's turn stays as typed
+
+
+def test_stop_aborts_the_request_in_the_engine(handle):
+    """Gradio's Stop cancels the task that drives the handler; the handler must abort the engine request."""
+    _, history, _, _ = add_user_message("Write a very long story about a dragon.", [], False)
+
+    async def stop_after_three_updates():
+        updates = []
+
+        async def drive():
+            async for out in generate_reply(handle, history, *{**GREEDY, "max_tokens": 500}.values()):
+                updates.append(out)
+
+        task = asyncio.create_task(drive())
+        while len(updates) < 3:
+            await asyncio.sleep(0.01)
+        assert handle.engine.stats().num_running == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return updates
+
+    updates = asyncio.run(stop_after_three_updates())
+    wait_until_idle(handle.engine)
+    assert len(updates[-1][1][-1]["tokens"]) < 500
+
+
+def test_closing_the_stream_early_also_aborts(handle):
+    _, history, _, _ = add_user_message("Write a very long story about a dragon.", [], False)
+
+    async def read_two_then_close():
+        agen = generate_reply(handle, history, *{**GREEDY, "max_tokens": 500}.values())
+        await agen.__anext__()
+        await agen.__anext__()
+        await agen.aclose()
+
+    asyncio.run(read_two_then_close())
+    wait_until_idle(handle.engine)
+
+
+def test_too_long_prompt_is_a_readable_message_and_the_chat_keeps_working(tiny_engine_factory):
+    engine, _ = tiny_engine_factory(max_model_len=64)
+    tiny = EngineHandle()
+    tiny.set_engine(engine)
+    with pytest.warns(UserWarning, match="maximum context length is 64"):
+        _, history, notice = ask(tiny, "word " * 100)
+    assert notice.startswith("\u26a0\ufe0f") and "maximum context length is 64" in notice
+    assert history[-1]["role"] == "user"  # nothing half-made was added
+    _, history, notice = ask(tiny, "hi", max_tokens=4)
+    assert history[-1]["role"] == "assistant" and len(history[-1]["tokens"]) >= 1
+
+
+def test_bad_seed_is_a_readable_message(handle):
+    with pytest.warns(UserWarning, match="whole number"):
+        notice = ask(handle, "hi", seed="abc")[2]
+    assert "seed must be a whole number" in notice
+
+
+def test_model_still_loading_is_a_message_not_a_crash():
+    loading = EngineHandle()
+    with pytest.warns(UserWarning, match="still loading"):
+        assert "still loading" in ask(loading, "hi")[2]
+    assert "loading" in describe_model(loading)
+    assert live_stats(loading) == [["Engine", "not running yet"]]
+
+
+def test_complete_uses_the_raw_prompt_without_a_chat_template(handle):
+    prompt = "The capital of France is"
+    outputs = collect(complete_text(handle, prompt, True, 0.0, 1.0, 0, 12, "", ""))
+    text, tokens_html, status = outputs[-1]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    expected = asyncio.run(handle.engine.complete(prompt, greedy)).choices[0].text
+    assert text == expected and len(outputs) > 1
+    assert tokens_html.count('class="tern-token"') >= 1
+    assert "finished" in status and "12 generated" in status
+
+
+def test_complete_stop_sequence_and_hidden_logprobs(handle):
+    text, tokens_html, status = collect(complete_text(handle, "1, 2, 3, 4,", False, 0.0, 1.0, 0, 20, "", " 7"))[-1]
+    assert text.startswith(" 5, 6,") and "7" not in text
+    assert tokens_html == "" and "stop sequence ' 7'" in status
+
+
+def test_score_ranks_continuations(handle):
+    scoring = score_continuations(handle, "The capital of France is", " a banana\n Paris")
+    rows, tokens_html, notice = asyncio.run(scoring)
+    assert [row[1] for row in rows] == ["\u201c Paris\u201d", "\u201c a banana\u201d"]
+    assert rows[0][2] > rows[1][2] and rows[0][-1] == "yes" and rows[1][-1] == "no"
+    assert tokens_html.count('class="tern-token"') == rows[0][5] + rows[1][5]
+    assert "Paris" in notice
+
+
+def test_score_errors_are_messages(handle):
+    with pytest.warns(UserWarning, match="at least one continuation"):
+        assert "at least one continuation" in asyncio.run(score_continuations(handle, "The sky is", "\n  \n"))[2]
+    with pytest.warns(UserWarning, match="context must not be empty"):
+        assert "context must not be empty" in asyncio.run(score_continuations(handle, "", " blue"))[2]
+
+
+def test_server_tab_describes_the_model_and_the_sdk(handle):
+    facts = dict(model_facts(handle))
+    assert facts["Model id"] == "SmolLM2-135M-Instruct"
+    assert facts["Parameters"].startswith("134.5M") and facts["Dtype"] == "float32" and facts["Device"] == "cpu"
+    assert facts["Max context"] == "8,192 tokens" and "weights" in facts["Memory"]
+    assert dict(live_stats(handle))["Running requests"] == "0"
+    snippet = openai_snippet(handle, gr.Request(headers={"host": "localhost:7860"}))
+    assert 'base_url="http://localhost:7860/v1"' in snippet and 'model="SmolLM2-135M-Instruct"' in snippet
+    compile(snippet, "snippet", "exec")
+    assert "SmolLM2-135M-Instruct" in describe_model(handle)
+
+
+def test_two_users_generate_at_the_same_time(handle):
+    """No global lock: both conversations are in the engine together and both get the right answer."""
+    _, history, _, _ = add_user_message("What is the capital of France?", [], False)
+    seen_running = []
+
+    async def one_user():
+        last = None
+        async for last in generate_reply(handle, history, *GREEDY.values()):
+            seen_running.append(handle.engine.stats().num_running)
+        return reply_of(last[1])
+
+    async def two_users():
+        return await asyncio.gather(one_user(), one_user())
+
+    assert asyncio.run(two_users()) == ["The capital of France is Paris."] * 2
+    assert max(seen_running) == 2

@@ -1,0 +1,151 @@
+"""Chat tab: multi-turn streaming chat with a system prompt, sampling controls, Stop / Retry / Clear and a view of
+each token's probability. Handlers take the EngineHandle first; build_chat_tab binds it."""
+from __future__ import annotations
+
+from functools import partial
+
+import gradio as gr
+
+from engine import EngineError, EngineHandle
+from ui.feedback import not_ready_message, ready_engine, report_error
+from ui.sampling import SamplingControls, build_sampling_controls, sampling_params
+from ui.tokens import LEGEND_HTML, render_tokens_html, token_views
+
+# History: a list of turns {"role": "user" | "assistant", "content": str, "tokens": list[TokenView] | None}.
+# The chatbot shows a rendering of it; the prompt is built from it, never from the rendered HTML.
+
+
+def add_user_message(message: str, history: list[dict], show_probs: bool) -> tuple:
+    """Append the typed message to the conversation and clear the textbox. -> (textbox, history, chatbot, notice)"""
+    if not message or not message.strip():
+        return message, history, render_chatbot(history, show_probs), ""
+    history = [*history, {"role": "user", "content": message, "tokens": None}]
+    return "", history, render_chatbot(history, show_probs), ""
+
+
+async def generate_reply(
+    handle: EngineHandle,
+    history: list[dict],
+    system_prompt: str,
+    show_probs: bool,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    max_tokens: int,
+    seed: str | None,
+    stop: str,
+):
+    """Stream the assistant's answer to the last user turn. Yields (chatbot, history, notice) as tokens arrive.
+
+    Stop, closing the tab and Gradio's cancellation all end this generator early; `finally` then aborts the
+    request so the engine frees its KV blocks."""
+    if not history or history[-1]["role"] != "user":
+        yield render_chatbot(history, show_probs), history, ""
+        return
+    engine = ready_engine(handle)
+    if engine is None:
+        yield render_chatbot(history, show_probs), history, f"\u26a0\ufe0f {not_ready_message(handle)}"
+        return
+    try:
+        params = sampling_params(temperature, top_p, top_k, max_tokens, seed, stop)
+        prompt = engine.tokenizer.render_chat(build_messages(history, system_prompt))
+        stream = engine.submit(engine.tokenizer.encode(prompt, add_special_tokens=False), params)
+    except EngineError as exc:
+        yield render_chatbot(history, show_probs), history, report_error(exc)
+        return
+    reply = {"role": "assistant", "content": "", "tokens": []}
+    history = [*history, reply]
+    notice = ""
+    try:
+        async for out in stream:
+            reply["content"] += out.text
+            reply["tokens"] += token_views(out.logprobs or [], engine.tokenizer.token_text, engine.tokenizer.eos_ids)
+            if out.finish_reason == "length":
+                notice = f"The reply stopped at the limit of {params.max_tokens} new tokens (see Sampling settings)."
+            yield render_chatbot(history, show_probs), history, notice
+    except Exception as exc:  # a failure delivered mid-stream; the conversation so far stays usable
+        yield render_chatbot(history, show_probs), history, report_error(exc)
+    finally:
+        if not stream.finished:  # stopped early: free the engine's KV blocks now
+            engine.abort(stream.request_id)
+
+
+def drop_last_reply(history: list[dict], show_probs: bool) -> tuple:
+    """Retry, first half: remove the last assistant turn so generate_reply answers the same user turn again."""
+    if history and history[-1]["role"] == "assistant":
+        history = history[:-1]
+    return history, render_chatbot(history, show_probs), ""
+
+
+def clear_chat() -> tuple:
+    """-> (chatbot, history, notice), all empty."""
+    return [], [], ""
+
+
+def build_messages(history: list[dict], system_prompt: str) -> list[dict]:
+    """The messages the chat template sees: the system prompt (when given), then every turn as plain text."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt and system_prompt.strip() else []
+    return messages + [{"role": turn["role"], "content": turn["content"]} for turn in history]
+
+
+def render_chatbot(history: list[dict], show_probs: bool) -> list[dict]:
+    """History -> chatbot messages; with show_probs, assistant turns become coloured tokens."""
+    messages = []
+    for turn in history:
+        content = turn["content"]
+        if show_probs and turn.get("tokens"):
+            content = render_tokens_html(turn["tokens"], legend=False)
+        messages.append({"role": turn["role"], "content": content})
+    return messages
+
+
+def build_chat_tab(handle: EngineHandle) -> None:
+    """Lay out the Chat tab and wire its events (inside a gr.Blocks context)."""
+    history = gr.State([])
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=3, min_width=320):
+            chatbot = gr.Chatbot(
+                label="Conversation", elem_id="chat-log", height=460, latex_delimiters=[], buttons=["copy"],
+                placeholder="Ask the model anything. Replies stream in as they are generated.",
+                feedback_options=None,
+            )
+            legend = gr.HTML(LEGEND_HTML, visible=False, elem_id="chat-legend")
+            notice = gr.Markdown(elem_id="chat-notice")
+            with gr.Row(equal_height=True):
+                message = gr.Textbox(
+                    placeholder="Type a message and press Enter", show_label=False, lines=1, max_lines=8,
+                    scale=5, min_width=200, elem_id="chat-input", autofocus=True,
+                )
+                send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="chat-send")
+            with gr.Row():
+                stop = gr.Button("Stop", variant="stop", size="sm", elem_id="chat-stop", min_width=70)
+                retry = gr.Button("Retry", size="sm", elem_id="chat-retry", min_width=70)
+                clear = gr.Button("Clear", size="sm", elem_id="chat-clear", min_width=70)
+        with gr.Column(scale=2, min_width=280):
+            system_prompt = gr.Textbox(
+                label="System prompt", lines=3, max_lines=10, elem_id="chat-system",
+                placeholder="Optional: how the assistant should behave (the model's default is used when blank)",
+            )
+            show_probs = gr.Checkbox(label="Show token probabilities", elem_id="chat-show-probs",
+                                     info="colour each generated token by how likely the model found it")
+            controls: SamplingControls = build_sampling_controls("chat", default_max_tokens=256)
+
+    reply_inputs = [history, system_prompt, show_probs, *controls.inputs]
+    reply_outputs = [chatbot, history, notice]
+    reply = partial(generate_reply, handle)
+    send_events = [
+        trigger(add_user_message, [message, history, show_probs], [message, history, chatbot, notice], queue=False)
+        .then(reply, reply_inputs, reply_outputs, concurrency_limit=None, show_progress="minimal")
+        for trigger in (message.submit, send.click)
+    ]
+    retry_event = retry.click(drop_last_reply, [history, show_probs], [history, chatbot, notice], queue=False).then(
+        reply, reply_inputs, reply_outputs, concurrency_limit=None, show_progress="minimal"
+    )
+    generating = [*send_events, retry_event]
+    stop.click(None, cancels=generating)
+    for clearing in (clear.click, chatbot.clear):  # our button and the chatbot's own bin icon
+        clearing(clear_chat, None, [chatbot, history, notice], cancels=generating, queue=False)
+    show_probs.change(
+        lambda turns, on: (render_chatbot(turns, on), gr.update(visible=on)),
+        [history, show_probs], [chatbot, legend], queue=False,
+    )

@@ -1,0 +1,141 @@
+"""Server tab: what is loaded, live engine load (refreshed by a gr.Timer) and a ready-to-copy openai SDK snippet."""
+from __future__ import annotations
+
+from functools import partial
+
+import gradio as gr
+
+from engine import EngineHandle
+
+REFRESH_S = 2.0
+
+
+def describe_model(handle: EngineHandle) -> str:
+    """The one-paragraph header at the top of the page."""
+    engine = handle.engine
+    if engine is None:
+        state = f"failed to load: {handle.error}" if handle.error else "loading the model\u2026"
+        return f"# Tern\n{state}"
+    has_template = engine.tokenizer.has_chat_template
+    kind = "an instruction-tuned chat model" if has_template else "a base model (no chat template)"
+    return (
+        f"# Tern \u00b7 {handle.served_model_name}\n"
+        f"{format_count(engine.loaded.num_parameters)} parameters, {kind}, running {_dtype(engine)} on "
+        f"{engine.device}, with a {engine.max_model_len:,}-token context. **Chat** with it, **Complete** raw text, "
+        "**Score** continuations by likelihood, or call the OpenAI-compatible API at `/v1` (see **Server**)."
+    )
+
+
+def model_facts(handle: EngineHandle) -> list[list[str]]:
+    """Rows (fact, value) describing the loaded model."""
+    engine = handle.engine
+    if engine is None:
+        return [["Status", f"failed: {handle.error}" if handle.error else "loading\u2026"]]
+    weight_bytes = engine.loaded.weight_bytes
+    kv_bytes = _kv_cache_bytes(engine)
+    return [
+        ["Model id", handle.served_model_name],
+        ["Parameters", f"{format_count(engine.loaded.num_parameters)} ({engine.loaded.num_parameters:,})"],
+        ["Dtype", _dtype(engine)],
+        ["Quantization", engine.config.quantization],
+        ["Device", str(engine.device)],
+        ["Memory", f"{format_bytes(weight_bytes + kv_bytes)} ({format_bytes(weight_bytes)} weights + "
+                   f"{format_bytes(kv_bytes)} KV cache)"],
+        ["Max context", f"{engine.max_model_len:,} tokens"],
+        ["Max concurrent sequences", str(engine.config.max_num_seqs)],
+    ]
+
+
+def live_stats(handle: EngineHandle) -> list[list[str]]:
+    """Rows (metric, value) of the engine's load right now."""
+    engine = handle.engine
+    if engine is None:
+        return [["Engine", "not running yet"]]
+    stats = engine.stats()
+    return [
+        ["Running requests", str(stats.num_running)],
+        ["Waiting requests", str(stats.num_waiting)],
+        ["KV cache in use", f"{100 * stats.kv_cache_usage:.1f}% ({stats.num_kv_blocks_used} of "
+                            f"{stats.num_kv_blocks_used + stats.num_kv_blocks_free} blocks)"],
+        ["Generated tokens/s (last 5 s)", f"{stats.tokens_per_s:.1f}"],
+        ["Preemptions", str(stats.num_preemptions)],
+    ]
+
+
+def base_url(request: gr.Request | None) -> str:
+    """This server's /v1 address as the browser reached it (behind a proxy: X-Forwarded-Proto / -Host)."""
+    headers = request.headers if request is not None else {}
+    host = _first(headers.get("x-forwarded-host")) or headers.get("host") or "127.0.0.1:7860"
+    scheme = _first(headers.get("x-forwarded-proto"))
+    if not scheme:
+        scheme = request.request.url.scheme if request is not None and request.request is not None else "http"
+    return f"{scheme}://{host}/v1"
+
+
+def openai_snippet(handle: EngineHandle, request: gr.Request) -> str:
+    """Python that talks to this server with the official openai SDK."""
+    return (
+        "from openai import OpenAI\n\n"
+        f'client = OpenAI(base_url="{base_url(request)}", api_key="none")  # or your TERN_API_KEY\n'
+        "reply = client.chat.completions.create(\n"
+        f'    model="{handle.served_model_name}",\n'
+        '    messages=[{"role": "user", "content": "What is the capital of France?"}],\n'
+        ")\n"
+        "print(reply.choices[0].message.content)\n"
+    )
+
+
+def format_count(count: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= size:
+            return f"{count / size:.1f}{unit}"
+    return str(count)
+
+
+def format_bytes(size_bytes: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size_bytes >= size:
+            return f"{size_bytes / size:.1f} {unit}"
+    return f"{size_bytes} B"
+
+
+def build_server_tab(handle: EngineHandle, blocks: gr.Blocks) -> None:
+    """Lay out the Server tab and wire its refreshes (inside `blocks`' context)."""
+    with gr.Row(equal_height=False):
+        with gr.Column(min_width=300):
+            facts = gr.Dataframe(model_facts(handle), headers=["Loaded model", ""], interactive=False,
+                                 elem_id="server-model", show_label=False)
+        with gr.Column(min_width=300):
+            stats = gr.Dataframe(live_stats(handle), headers=[f"Engine load (every {REFRESH_S:g} s)", ""],
+                                 interactive=False, elem_id="server-stats", show_label=False)
+    snippet = gr.Code(language="python", label="Use this server from Python (pip install openai)",
+                      elem_id="server-snippet", interactive=False)
+
+    def show_snippet(request: gr.Request) -> str:
+        return openai_snippet(handle, request)
+
+    timer = gr.Timer(REFRESH_S)
+    refresh = partial(_model_and_load, handle)
+    timer.tick(refresh, None, [facts, stats], show_progress="hidden", queue=False)
+    blocks.load(refresh, None, [facts, stats], queue=False)
+    blocks.load(show_snippet, None, snippet, queue=False)
+
+
+def _model_and_load(handle: EngineHandle) -> tuple[list[list[str]], list[list[str]]]:
+    return model_facts(handle), live_stats(handle)
+
+
+def _first(value: str | None) -> str:
+    """The first entry of a comma-separated forwarded header (one per proxy hop)."""
+    return value.split(",")[0].strip() if value else ""
+
+
+def _dtype(engine) -> str:
+    return str(engine.dtype).removeprefix("torch.")
+
+
+def _kv_cache_bytes(engine) -> int:
+    cache = getattr(engine, "kv_cache", None)  # absent on the generic (recompute) path
+    if cache is None:
+        return 0
+    return cache.keys.numel() * cache.keys.element_size() + cache.values.numel() * cache.values.element_size()
