@@ -54,6 +54,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
     parser.add_argument(
         "--max-num-seqs", type=int, default=int(env("TERN_MAX_NUM_SEQS", "64")), help="sequences per step (TERN_MAX_NUM_SEQS)"
     )
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=int(env("TERN_MAX_WAITING", "256")),
+        help="requests allowed to wait for a slot; beyond it the API answers 429 (TERN_MAX_WAITING)",
+    )
     parser.add_argument("--api-key", default=env("TERN_API_KEY"), help="require this bearer key on /v1 (TERN_API_KEY)")
     parser.add_argument(
         "--served-model-name", default=env("TERN_SERVED_MODEL_NAME"), help="model id clients see (TERN_SERVED_MODEL_NAME)"
@@ -72,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         quantization=args.quantization,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_waiting=args.max_waiting,
         cache_dir=args.cache_dir,
     )
     return server, engine_config, args.prepare_only
@@ -82,7 +89,7 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
     import gradio as gr
     from fastapi import FastAPI
 
-    from api import build_router, install_error_handlers
+    from api import RequestIDMiddleware, build_router, install_error_handlers
     from ui import build_ui
 
     server = server or ServerSettings()
@@ -102,6 +109,7 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
     app = FastAPI(title="Tern", version="0.1.0", lifespan=lifespan)
     app.state.handle = handle
     install_error_handlers(app)
+    app.add_middleware(RequestIDMiddleware)  # every response, the UI's too, carries X-Request-ID
     app.include_router(build_router(handle, api_key=server.api_key))
     # Mounted last: a mount at "/" catches every path not matched above.
     return gr.mount_gradio_app(app, build_ui(handle), path="/")

@@ -209,9 +209,10 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
-        bad = [t for t in (*params.logit_bias, *params.stop_token_ids) if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary", "logit_bias")
+        for name, token_ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", name)
         total = len(prompt_ids) + (params.max_tokens or 0)
         if total > self.max_model_len or len(prompt_ids) >= self.max_model_len and params.max_tokens != 0:
             raise ContextLengthExceededError(

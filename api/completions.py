@@ -1,0 +1,107 @@
+"""POST /v1/completions: text or token-id prompts (batched), echo, and legacy logprobs with text offsets."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from functools import cache
+
+from fastapi import APIRouter, Request
+
+from engine import Engine, RequestOutput
+
+from api.generation import Generation, Sample, until_disconnected
+from api.logprobs import completion_logprobs, merge_logprobs, text_offsets
+from api.protocol import CompletionRequest
+from api.responses import CompletionChoice, TextCompletion, streamed
+from api.server import Server
+from api.sse import event_stream
+
+
+def add_routes(router: APIRouter, server: Server) -> None:
+    @router.post(
+        "/v1/completions",
+        response_model=TextCompletion,
+        responses=streamed(TextCompletion),
+        summary="Create a completion",
+    )
+    async def create_completion(body: CompletionRequest, request: Request):
+        engine = server.engine(body.model)
+        params = body.to_sampling_params()
+        prompts = body.prompts()
+        # Text is tokenized as the engine would (with the tokenizer's special tokens); token ids are used as given.
+        prompt_ids = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        generation = Generation(engine, prompt_ids, params, response_id, server.metrics, request.state.request_id)
+        choices = _Choices(body, prompts, generation, engine)
+        head = {"id": response_id, "created": int(time.time()), "model": server.model_name}
+        if body.stream:
+            return event_stream(_chunks(generation, choices, head, body.include_usage))
+        samples = await until_disconnected(request, generation.collect())
+        return TextCompletion(**head, choices=[choices.full(s) for s in samples], usage=generation.usage())
+
+
+class _Choices:
+    """Samples as completion choices: the echoed prompt in front, logprobs with offsets into the returned text."""
+
+    def __init__(self, body: CompletionRequest, prompts: list, generation: Generation, engine: Engine) -> None:
+        self.echo, self.want_logprobs = bool(body.echo), body.logprobs is not None
+        self.prompts, self.generation, self.tokenizer = prompts, generation, engine.tokenizer
+        self.prompt_text = cache(self._prompt_text)
+        self._prompt_logprobs: dict[int, dict] = {}  # per prompt, shared by its n choices
+        self._echoed: set[int] = set()  # choices whose stream has carried the echo
+
+    def full(self, sample: Sample) -> CompletionChoice:
+        text, logprobs = self._part(sample, 0, with_echo=self.echo)
+        return CompletionChoice(index=sample.index, text=text, logprobs=logprobs, finish_reason=sample.finish_reason)
+
+    def delta(self, sample: Sample, out: RequestOutput) -> dict:
+        """The choice of one streamed chunk: this output's text and tokens (the echo goes with a choice's first)."""
+        with_echo = self.echo and sample.index not in self._echoed
+        self._echoed.add(sample.index)
+        text, logprobs = self._part(sample, len(sample.token_ids) - len(out.token_ids), with_echo, out.text)
+        return {"index": sample.index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+
+    def _part(self, sample: Sample, first: int, with_echo: bool, text: str | None = None) -> tuple[str, dict | None]:
+        text = sample.text if text is None else text
+        prefix = self.prompt_text(sample.prompt_index) if self.echo else ""
+        logprobs = None
+        if self.want_logprobs:
+            offsets = [len(prefix) + offset for offset in sample.text_offsets[first:]]
+            logprobs = completion_logprobs(sample.token_ids[first:], sample.logprobs[first:], offsets, self.tokenizer)
+            if with_echo:
+                logprobs = merge_logprobs(self.prompt_logprobs(sample.prompt_index), logprobs)
+        return (prefix + text if with_echo else text), logprobs
+
+    def _prompt_text(self, prompt_index: int) -> str:
+        prompt = self.prompts[prompt_index]
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)
+
+    def prompt_logprobs(self, prompt_index: int) -> dict:
+        if prompt_index in self._prompt_logprobs:
+            return self._prompt_logprobs[prompt_index]
+        prompt_ids = self.generation.prompts[prompt_index]
+        entries = self.generation.prompt_logprobs[prompt_index]
+        # Offsets into the echoed text: a text prompt is echoed as sent, so special tokens the tokenizer added
+        # (a BOS) take no room; token ids are echoed as decoded, special tokens shown.
+        is_text = isinstance(self.prompts[prompt_index], str)
+        offsets = text_offsets(self.tokenizer.tokenizer, prompt_ids, skip_special_tokens=is_text)
+        logprobs = completion_logprobs(prompt_ids, entries or [None] * len(prompt_ids), offsets, self.tokenizer)
+        if entries is not None:  # else not computed yet (another sample of a stream ran ahead): nulls this once
+            self._prompt_logprobs[prompt_index] = logprobs
+        return logprobs
+
+
+async def _chunks(generation: Generation, choices: _Choices, head: dict, include_usage: bool) -> AsyncIterator[dict]:
+    """Streamed completions share the non-streamed shape: one choice per chunk, finish_reason on a choice's last."""
+    base = {**head, "object": "text_completion"}
+    usage = {"usage": None} if include_usage else {}
+    try:
+        async for sample, out in generation.outputs():
+            choice = choices.delta(sample, out)
+            if choice["text"] or choice["logprobs"] or choice["finish_reason"]:
+                yield {**base, "choices": [choice], **usage}
+        if include_usage:
+            yield {**base, "choices": [], "usage": generation.usage()}
+    finally:
+        generation.abort()  # a client gone before the first output never entered outputs()

@@ -1,0 +1,183 @@
+"""Generation: the engine requests behind one API call, submitted all-or-none, merged, timed, aborted when dropped."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fastapi import Request
+
+from engine import Engine, RequestOutput, SamplingParams, TokenLogprob
+
+from api.errors import ClientDisconnected
+from api.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class Sample:
+    """One choice as it accumulates. text_offsets[i] is len(text) before token i's text was added."""
+
+    index: int  # the choice index: prompt_index * n + sample_index
+    prompt_index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    text_offsets: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text_offsets += [len(self.text)] * len(out.token_ids)
+        self.token_ids += out.token_ids
+        self.text += out.text
+        self.logprobs += out.logprobs or []
+        if out.finish_reason is not None:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+
+
+class Generation:
+    """One engine request per prompt (each with n samples). Outputs of all of them arrive as one stream."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        response_id: str,
+        metrics: Metrics,
+        request_id: str = "",
+    ) -> None:
+        self.engine, self.params, self.response_id, self.metrics = engine, params, response_id, metrics
+        self.request_id = request_id  # the X-Request-ID, for the log line
+        self.prompts = prompts
+        self.samples = [Sample(p * params.n + i, p) for p in range(len(prompts)) for i in range(params.n)]
+        self.prompt_logprobs: list[list[TokenLogprob | None] | None] = [None] * len(prompts)
+        self._started_at = time.monotonic()
+        self._last_token_at: dict[int, float] = {}
+        self._streams = []
+        try:
+            for p, prompt_ids in enumerate(prompts):
+                request_id = response_id if len(prompts) == 1 else f"{response_id}-{p}"
+                self._streams.append(engine.submit(prompt_ids, params, request_id))
+        except BaseException:  # refuse all (429, 400) rather than answer some prompts
+            self.abort()
+            raise
+        metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
+
+    def usage(self) -> dict:
+        prompt, completion = self.num_prompt_tokens, self.num_completion_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    async def outputs(self) -> AsyncIterator[tuple[Sample, RequestOutput]]:
+        """Each engine output once it is added to its sample. Leaving early (client gone) aborts what is left."""
+        source = _merge(self._streams) if len(self._streams) > 1 else _single(self._streams[0])
+        try:
+            async for prompt_index, out in source:
+                if out.prompt_logprobs is not None:
+                    self.prompt_logprobs[prompt_index] = out.prompt_logprobs
+                sample = self.samples[prompt_index * self.params.n + out.index]
+                sample.add(out)
+                self._observe(sample, out)
+                yield sample, out
+        finally:
+            self.abort()
+            finishes = [s.finish_reason for s in self.samples]
+            logger.info(
+                "%s %s: %d prompt + %d completion tokens, finish %s",
+                self.request_id, self.response_id, self.num_prompt_tokens, self.num_completion_tokens,
+                ",".join(f or "aborted" for f in finishes),
+            )
+
+    async def collect(self) -> list[Sample]:
+        async for _ in self.outputs():
+            pass
+        return self.samples
+
+    def abort(self) -> None:
+        """Abort every engine request not finished yet: the engine frees their KV blocks at its next step."""
+        for stream in self._streams:
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
+
+    def _observe(self, sample: Sample, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if out.token_ids:
+            self.metrics.completion_tokens.inc(len(out.token_ids))
+            last = self._last_token_at.get(sample.index)
+            if last is None:
+                self.metrics.time_to_first_token.observe(now - self._started_at)
+            else:
+                self.metrics.inter_token_latency.observe((now - last) / len(out.token_ids))
+            self._last_token_at[sample.index] = now
+        if out.finish_reason is not None:
+            self.metrics.e2e_latency.observe(now - self._started_at)
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await work unless the client disconnects first; then cancel it (which aborts its engine requests).
+
+    Starlette cancels a streaming response by itself when its client goes; a plain response needs this."""
+    work_task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        work_task.cancel()  # no-op once done
+    if work_task in done:
+        return work_task.result()
+    raise ClientDisconnected()
+
+
+async def _disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _single(stream) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async for out in stream:
+        yield 0, out
+
+
+async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams in arrival order, tagged with the stream's position."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(position: int, stream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((position, out))
+            queue.put_nowait((position, end))
+        except Exception as exc:  # delivered to the consumer, in order
+            queue.put_nowait((position, exc))
+
+    tasks = [asyncio.create_task(pump(p, s)) for p, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            position, item = await queue.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield position, item
+    finally:
+        for task in tasks:
+            task.cancel()

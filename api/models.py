@@ -1,0 +1,53 @@
+"""GET /v1/models and /v1/models/{id}, plus the model's status: /health, /ready and /metrics."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+
+from api.errors import OpenAIError
+from api.metrics import CONTENT_TYPE
+from api.responses import ERRORS, ModelCard, ModelList
+from api.server import Server
+
+
+def add_routes(router: APIRouter, server: Server) -> None:
+    @router.get("/v1/models", response_model=ModelList, responses=ERRORS, summary="List the served model")
+    async def list_models() -> ModelList:
+        return ModelList(data=[_card(server)])
+
+    @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS, summary="Describe a model")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        card = _card(server)
+        if model_id != card.id:
+            message = f"The model `{model_id}` does not exist. This server serves `{card.id}`."
+            raise OpenAIError(404, message, param="model", code="model_not_found")
+        return card
+
+
+def add_status_routes(router: APIRouter, server: Server) -> None:
+    @router.get("/health", responses=ERRORS, summary="200 once the model is loaded, 503 before")
+    async def health() -> dict:
+        engine = server.engine()
+        return {"status": "ok", "model": server.model_name, "device": str(engine.device)}
+
+    @router.get("/ready", responses=ERRORS, summary="200 when new requests would be queued, else 503")
+    async def ready() -> dict:
+        """For load balancers: loaded, and the waiting queue has room (else a request would get a 429)."""
+        engine = server.engine()
+        stats = engine.stats()
+        if stats.num_waiting >= engine.config.max_waiting:
+            raise OpenAIError(503, "the waiting queue is full", "service_unavailable_error", code="queue_full")
+        return {"ready": True, "num_running": stats.num_running, "num_waiting": stats.num_waiting}
+
+    @router.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {}}}},
+        summary="Prometheus metrics",
+    )
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _card(server: Server) -> ModelCard:
+    engine = server.engine()
+    return ModelCard(id=server.model_name, created=server.created, owned_by="tern", max_model_len=engine.max_model_len)

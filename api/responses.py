@@ -1,0 +1,161 @@
+"""Response bodies in OpenAI's shapes, for /openapi.json and for building non-streamed answers."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+FinishReason = Literal["stop", "length"]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str = Field(description="The token as decoded text (a piece of a UTF-8 character decodes to U+FFFD).")
+    logprob: float = Field(description="Of the model's raw distribution; -9999.0 stands for minus infinity.")
+    bytes: list[int] | None = Field(description="The token's exact UTF-8 bytes.")
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletion(BaseModel):
+    id: str = Field(description="chatcmpl-...")
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` event of a streamed chat completion; every chunk of a stream shares id and created."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(None, description="Only with stream_options.include_usage: null, then set on a "
+                                "last chunk with `choices: []`.")
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None] = Field(description="With echo, the first prompt token's is null.")
+    top_logprobs: list[dict[str, float] | None] = Field(
+        description="Token -> logprob for the requested alternatives plus the chosen token; null for the first "
+        "prompt token, which has no context."
+    )
+    text_offset: list[int] = Field(description="Where each token's text begins in the returned text (characters).")
+
+
+class CompletionChoice(BaseModel):
+    index: int = Field(description="prompt_index * n + sample_index")
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None
+
+
+class TextCompletion(BaseModel):
+    """Also the shape of each streamed event (then `usage` is null until the include_usage chunk)."""
+
+    id: str = Field(description="cmpl-...")
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    max_model_len: int = Field(description="Longest prompt + completion, in tokens.")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+# Every error has this body. "4XX" also keeps FastAPI from documenting its 422, which clients never get.
+ERRORS = {
+    400: {"model": ErrorResponse, "description": "Malformed JSON, a wrong type, an out-of-range value, too long"},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key (when the server has one)"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    429: {"model": ErrorResponse, "description": "Too many requests waiting; retry after Retry-After seconds"},
+    503: {"model": ErrorResponse, "description": "The model is still loading"},
+    "4XX": {"model": ErrorResponse, "description": "Any other client error"},
+}
+
+
+def streamed(chunk: type[BaseModel]) -> dict:
+    """OpenAPI `responses` entry documenting the text/event-stream form of a 200."""
+    description = f"With stream: true, `data: <{chunk.__name__}>` events, then `data: [DONE]`."
+    schema = {"type": "string", "description": description, "contentSchema": _inline(chunk.model_json_schema())}
+    return {200: {"content": {"text/event-stream": {"schema": schema}}}, **ERRORS}
+
+
+def _inline(schema: dict) -> dict:
+    """Resolve pydantic's local $refs so the schema stands on its own inside an operation."""
+    defs = schema.pop("$defs", {})
+
+    def resolve(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return resolve(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {key: resolve(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [resolve(item) for item in node]
+        return node
+
+    return resolve(schema)

@@ -1,0 +1,109 @@
+"""Server: what every route needs (engine handle, metrics, API key), the route class wrapping each route, and the
+middleware that gives every response an X-Request-ID."""
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine import Engine, EngineHandle
+
+from api.auth import authorize
+from api.errors import OpenAIError, model_loading, to_openai_error
+from api.metrics import Metrics
+
+logger = logging.getLogger("api")
+
+# A client's X-Request-ID is echoed and logged only if it is short and plain; otherwise we make our own.
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
+
+
+class RequestIDMiddleware:
+    """Every HTTP response, the UI's and /openapi.json's included, carries an X-Request-ID: the client's, or a new
+    one. Routes find it in request.state.request_id and log it. Plain ASGI rather than BaseHTTPMiddleware, which
+    would sit between a streaming response and the client's disconnect."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _request_id(dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1"))
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["X-Request-ID"] = request_id
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class Server:
+    def __init__(self, handle: EngineHandle, api_key: str | None = None) -> None:
+        self.handle = handle
+        self.api_key = api_key or None
+        self.metrics = Metrics(handle)
+        self.created = int(time.time())
+
+    @property
+    def model_name(self) -> str:
+        return self.handle.served_model_name
+
+    def engine(self, model: str | None = None) -> Engine:
+        """The engine once loaded (else 503), after checking the model the client asked for (else 404)."""
+        engine = self.handle.engine
+        if engine is None:
+            raise model_loading(self.handle.error)
+        if model and model != self.model_name:
+            message = f"The model `{model}` does not exist. This server serves `{self.model_name}`."
+            raise OpenAIError(404, message, param="model", code="model_not_found")
+        return engine
+
+    def route_class(self) -> type[APIRoute]:
+        """An APIRoute whose handler adds request ids, the API-key check, one error shape, metrics and a log line."""
+        server = self
+
+        class ServedRoute(APIRoute):
+            def get_route_handler(self):
+                return _served(super().get_route_handler(), self.path, server)
+
+        return ServedRoute
+
+
+def _served(handler, route_path: str, server: Server):
+    needs_key = server.api_key is not None and route_path.startswith("/v1")
+
+    async def handle(request: Request) -> Response:
+        # Set by RequestIDMiddleware; a router used without it (a test's own app) makes its own.
+        request_id = getattr(request.state, "request_id", None) or _request_id(request.headers.get("x-request-id", ""))
+        request.state.request_id = request_id
+        started = time.perf_counter()
+        try:
+            if needs_key:
+                authorize(request, server.api_key)
+            response = await handler(request)
+        except Exception as exc:  # everything, bad input included, leaves in OpenAI's error shape
+            error = to_openai_error(exc)
+            if 400 <= error.status_code < 500:
+                logger.info("%s: %d %s (param %s)", request_id, error.status_code, error.message, error.param)
+            response = error.response()
+        response.headers["X-Request-ID"] = request_id
+        server.metrics.requests.labels(route_path, request.method, str(response.status_code)).inc()
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        logger.info('%s "%s %s" %d %.0f ms', request_id, request.method, request.url.path, response.status_code, elapsed_ms)
+        return response
+
+    return handle
+
+
+def _request_id(client_value: str) -> str:
+    return client_value if _CLIENT_REQUEST_ID.fullmatch(client_value) else uuid.uuid4().hex

@@ -1,0 +1,34 @@
+"""Server-sent events framing: `data: {json}\\n\\n` per chunk, an error event on failure, then `data: [DONE]\\n\\n`."""
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from api.errors import to_openai_error
+
+DONE = "data: [DONE]\n\n"
+
+# Proxies (nginx) buffer responses unless told not to; a buffered stream arrives all at once.
+_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def event(data: dict) -> str:
+    """One SSE event. NaN or infinity cannot be written as JSON: they raise rather than send invalid JSON."""
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'), allow_nan=False)}\n\n"
+
+
+async def frame(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Each chunk as an event, then [DONE]. Once the first byte is out the status cannot change, so a failure
+    becomes an error event (the openai SDK raises APIError on it) followed by [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield event(chunk)
+    except Exception as exc:  # a disconnect cancels us (CancelledError is no Exception) and ends the stream
+        yield event(to_openai_error(exc).body())
+    yield DONE
+
+
+def event_stream(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    return StreamingResponse(frame(chunks), media_type="text/event-stream", headers=_HEADERS)

@@ -1,0 +1,84 @@
+"""POST /tokenize, POST /detokenize, GET /tokenizer_info: the names lm-evaluation-harness's remote tokenizer probes."""
+from __future__ import annotations
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.chat import chat_text
+from api.errors import OpenAIError
+from api.protocol import ChatMessage
+from api.responses import ERRORS
+from api.server import Server
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = Field(None, description="Text to tokenize; or send `messages`.")
+    messages: list[ChatMessage] | None = Field(None, description="A chat, tokenized through the chat template.")
+    add_special_tokens: bool | None = Field(
+        None, description="Default true for `prompt`; false for `messages` (the template writes them)."
+    )
+    add_generation_prompt: bool = Field(True, description="With `messages`: end with the assistant's turn opener.")
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    model_max_length: int = Field(description="The served context length (prompt + completion), in tokens.")
+    vocab_size: int
+
+
+def add_routes(router: APIRouter, server: Server) -> None:
+    @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS, summary="Text or chat -> token ids")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        engine = server.engine(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError(400, "send exactly one of `prompt` or `messages`", param="prompt")
+        if body.messages is not None:
+            text = chat_text(engine, body.messages, body.add_generation_prompt)
+            tokens = engine.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        else:
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=add_special)
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_model_len)
+
+    @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS, summary="Token ids -> text")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        engine = server.engine(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < engine.tokenizer.vocab_size]
+        if bad:
+            message = f"token id {bad[0]} is outside the vocabulary (0..{engine.tokenizer.vocab_size - 1})"
+            raise OpenAIError(400, message, param="tokens", code="invalid_value")
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens, skip_special_tokens=False))
+
+    @router.get("/tokenizer_info", response_model=TokenizerInfo, responses=ERRORS, summary="Special tokens, template")
+    async def tokenizer_info() -> TokenizerInfo:
+        engine = server.engine()
+        hf = engine.tokenizer.tokenizer
+        return TokenizerInfo(
+            eos_token=hf.eos_token,
+            bos_token=hf.bos_token,
+            pad_token=hf.pad_token,
+            chat_template=hf.chat_template if engine.tokenizer.has_chat_template else None,
+            model_max_length=engine.max_model_len,
+            vocab_size=engine.tokenizer.vocab_size,
+        )
