@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
     parser.add_argument("--dtype", choices=DTYPES, default=env("TERN_DTYPE", "auto"), help="weights and compute dtype (TERN_DTYPE)")
     parser.add_argument("--device", choices=DEVICES, default=env("TERN_DEVICE", "auto"), help="cpu or cuda (TERN_DEVICE)")
     parser.add_argument(
-        "--quantization", choices=QUANTIZATIONS, default=env("TERN_QUANTIZATION", "none"), help="(TERN_QUANTIZATION)"
+        "--quantization", choices=QUANTIZATIONS, default=env("TERN_QUANTIZATION", "none"), help="weights: int8 is the fast CPU path; bnb-* use bitsandbytes (TERN_QUANTIZATION)"
     )
     parser.add_argument(
         "--max-model-len", type=int, default=_int_env("TERN_MAX_MODEL_LEN"), help="context length cap (TERN_MAX_MODEL_LEN)"
@@ -59,6 +59,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         type=int,
         default=int(env("TERN_MAX_WAITING", "256")),
         help="requests allowed to wait for a slot; beyond it the API answers 429 (TERN_MAX_WAITING)",
+    )
+    parser.add_argument(
+        "--bnb-double-quant",
+        action="store_true",
+        default=env("TERN_BNB_DOUBLE_QUANT", "").lower() in ("1", "true", "yes"),
+        help="bnb-nf4/bnb-fp4: also quantize the per-block scales (TERN_BNB_DOUBLE_QUANT)",
     )
     parser.add_argument("--api-key", default=env("TERN_API_KEY"), help="require this bearer key on /v1 (TERN_API_KEY)")
     parser.add_argument(
@@ -76,6 +82,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         dtype=args.dtype,
         device=args.device,
         quantization=args.quantization,
+        bnb_double_quant=args.bnb_double_quant,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_waiting=args.max_waiting,

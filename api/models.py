@@ -50,4 +50,14 @@ def add_status_routes(router: APIRouter, server: Server) -> None:
 
 def _card(server: Server) -> ModelCard:
     engine = server.engine()
-    return ModelCard(id=server.model_name, created=server.created, owned_by="tern", max_model_len=engine.max_model_len)
+    loaded = engine.loaded
+    return ModelCard(
+        id=server.model_name,
+        created=server.created,
+        owned_by="tern",
+        max_model_len=engine.max_model_len,
+        dtype=str(engine.dtype).removeprefix("torch."),
+        quantization=loaded.quantization,
+        weight_bytes=loaded.weight_bytes,
+        weight_ratio_to_bf16=round(loaded.weight_bytes / max(loaded.bf16_weight_bytes, 1), 3),
+    )

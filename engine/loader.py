@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from engine import quant
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.models.llama import NATIVE_MODEL_TYPES, LlamaForCausalLM
@@ -37,14 +38,27 @@ class LoadedModel:
     is_native: bool
     device: torch.device
     dtype: torch.dtype
+    quantization: str = "none"  # one of config.QUANTIZATIONS (see engine/quant.py)
 
     @property
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        """As in the float checkpoint: a quantized weight counts as its logical shape."""
+        return quant.num_parameters(self.model)
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """What the weights occupy now, quantized storage and its scales included."""
+        return quant.weight_bytes(self.model)
+
+    @property
+    def bf16_weight_bytes(self) -> int:
+        """The same weights in bf16: the yardstick quantized sizes are quoted against."""
+        return 2 * self.num_parameters
+
+    def describe_weights(self) -> str:
+        """E.g. `int8 weights: 136 MB (0.50x bf16)`, for the start-up log and the UI."""
+        ratio = self.weight_bytes / max(self.bf16_weight_bytes, 1)
+        return f"{self.quantization} weights: {self.weight_bytes / 1e6:.0f} MB ({ratio:.2f}x bf16)"
 
 
 def default_cache_dir() -> Path:
@@ -130,6 +144,7 @@ def load(config: EngineConfig) -> LoadedModel:
     folder, name = resolve_checkpoint(config.model, cache_dir)
     device = choose_device(config.device)
     dtype = choose_dtype(config.dtype, device)
+    quant.check_supported(config.quantization, device, dtype)  # before minutes of loading, not after
     hf_config = AutoConfig.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     is_native = hf_config.model_type in NATIVE_MODEL_TYPES
@@ -138,7 +153,10 @@ def load(config: EngineConfig) -> LoadedModel:
     else:
         model = _load_generic(folder, dtype, device)
     model.eval()
-    return LoadedModel(model, tokenizer, hf_config, name, folder, is_native, device, dtype)
+    quant.quantize(model, config.quantization, device, dtype, double_quant=config.bnb_double_quant)
+    loaded = LoadedModel(model, tokenizer, hf_config, name, folder, is_native, device, dtype, config.quantization)
+    logger.info("loaded %s: %s", name, loaded.describe_weights())
+    return loaded
 
 
 def build_native(hf_config, state_dict: dict[str, torch.Tensor], dtype, device) -> LlamaForCausalLM:

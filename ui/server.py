@@ -37,7 +37,7 @@ def model_facts(handle: EngineHandle) -> list[list[str]]:
         ["Model id", handle.served_model_name],
         ["Parameters", f"{format_count(engine.loaded.num_parameters)} ({engine.loaded.num_parameters:,})"],
         ["Dtype", _dtype(engine)],
-        ["Quantization", engine.config.quantization],
+        ["Quantization", engine.loaded.describe_weights()],
         ["Device", str(engine.device)],
         ["Memory", f"{format_bytes(weight_bytes + kv_bytes)} ({format_bytes(weight_bytes)} weights + "
                    f"{format_bytes(kv_bytes)} KV cache)"],
