@@ -141,10 +141,10 @@ def load(config: EngineConfig) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer
 
     cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
-    folder, name = resolve_checkpoint(config.model, cache_dir)
     device = choose_device(config.device)
     dtype = choose_dtype(config.dtype, device)
-    quant.check_supported(config.quantization, device, dtype)  # before minutes of loading, not after
+    quant.check_supported(config.quantization, device, dtype)  # before minutes of converting or loading
+    folder, name = resolve_checkpoint(config.model, cache_dir)
     hf_config = AutoConfig.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     is_native = hf_config.model_type in NATIVE_MODEL_TYPES
