@@ -71,6 +71,8 @@ class Scheduler:
         preempted = self.num_preemptions > preemptions_before
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self._sibling_is_prefilling(seq):
+                break  # n > 1: the other samples wait one step and then share the prompt's cached blocks
             reused = self._reuse_cached_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             needed = blocks_needed(seq.num_computed_tokens + num_new, self.block_size) - len(seq.block_table)
@@ -115,6 +117,13 @@ class Scheduler:
                 return False
         seq.block_table += self.allocator.allocate(needed)
         return True
+
+    def _sibling_is_prefilling(self, seq: Sequence) -> bool:
+        if not self.enable_prefix_caching or seq.index == 0 or seq.num_computed_tokens:
+            return False
+        return any(
+            other.request is seq.request and other.num_computed_tokens < other.num_prompt_tokens for other in self.running
+        )
 
     def _reuse_cached_prefix(self, seq: Sequence) -> bool:
         """Point a fresh sequence at cached blocks holding its leading tokens, so they are not computed again.

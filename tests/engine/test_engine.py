@@ -258,3 +258,15 @@ def test_a_repeated_prompt_prefix_is_served_from_the_cache_with_the_same_result(
     for ours, theirs in zip(second.choices[0].logprobs, reference.choices[0].logprobs):
         assert abs(ours.logprob - theirs.logprob) < 1e-4
     assert uncached.stats().num_prefix_cache_hits == 0
+
+
+def test_n_samples_share_the_prompts_cached_blocks(tiny_engine_factory):
+    engine, _ = tiny_engine_factory()
+    prompt = _prompts(1, seed=22)[0] * 3  # several full 16-token blocks
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=9, ignore_eos=True)
+    [completion] = engine.generate([prompt], params)
+    assert engine.stats().num_prefix_cache_hits == 2 * ((len(prompt) - 1) // 16)  # samples 1 and 2 reuse them
+    assert [c.index for c in completion.choices] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in completion.choices)
+    [again] = engine.generate([prompt], params)  # same seed, now with every block cached: same samples
+    assert [c.token_ids for c in again.choices] == [c.token_ids for c in completion.choices]
