@@ -51,8 +51,13 @@ def screenshot(page, name: str) -> None:
 def set_number(page, elem_id: str, value: str) -> None:
     """Type into a slider's or number's text box and commit it, as a user would."""
     box = page.locator(f"#{elem_id} input[type=number]")
+    box.wait_for()  # inside a panel that may still be opening
     box.fill(value)
     box.press("Tab")
+    # The slider follows once the value is committed; a click sent before then would use the old value.
+    page.wait_for_function(
+        "([id, value]) => document.querySelector(`#${id} input[type=range]`).value === value", arg=[elem_id, value]
+    )
 
 
 def open_tab(page, name: str) -> None:
