@@ -1,4 +1,7 @@
-"""Engine vs transformers generate() on the same model, in one process and one run, reported as ratios.
+"""Engine vs transformers generate() on the same model, in one run, reported as ratios.
+
+The engine runs in this process, generate() in a child process that this one drives, so the runs alternate;
+see BaselineProcess for why they do not share one process.
 
     .venv/bin/python bench/engine.py [--dtype float32|bfloat16] [--tokens 128] [--reps 3]
 
@@ -50,7 +53,8 @@ def main() -> None:
 
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
                                  max_num_seqs=max(64, args.streams))).start()
-    hf_model = _load_transformers(engine)
+    baseline = BaselineProcess(engine.loaded.folder, engine.dtype, engine.device)
+    pad_id = engine.tokenizer.tokenizer.pad_token_id or 0
     tokenizer = engine.tokenizer
     prompts = [
         tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": q}]), add_special_tokens=False)
@@ -66,17 +70,10 @@ def main() -> None:
         return len(batch) * args.tokens / (time.perf_counter() - start)
 
     def generate_run(batch):
-        start = time.perf_counter()
-        _generate(hf_model, batch, args.tokens, engine.tokenizer.tokenizer.pad_token_id or 0)
-        _sync(engine.device)
-        return len(batch) * args.tokens / (time.perf_counter() - start)
+        return baseline.run(batch, args.tokens, pad_id, one_by_one=False)
 
     def generate_sequential(batch):
-        start = time.perf_counter()
-        for prompt in batch[: args.sequential_sample]:
-            _generate(hf_model, [prompt], args.tokens, 0)
-        _sync(engine.device)
-        return args.sequential_sample * args.tokens / (time.perf_counter() - start)
+        return baseline.run(batch[: args.sequential_sample], args.tokens, pad_id, one_by_one=True)
 
     engine_run(prompts[:2])  # warm-up both
     generate_run(prompts[:1])
@@ -88,6 +85,7 @@ def main() -> None:
         results["generate_sequential"].append(generate_sequential(prompts))
         results["generate_padded"].append(generate_run(prompts))
     engine.stop()
+    baseline.close()
 
     median = {name: statistics.median(values) for name, values in results.items()}
     n = args.streams
@@ -111,14 +109,51 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _load_transformers(engine: Engine):
+class BaselineProcess:
+    """transformers generate() in a child process, driven from this one so runs still alternate.
+
+    Why a second process: the engine does all its torch work on its own thread, and a second thread running
+    OpenMP regions in the same process (generate() on the main thread) makes libgomp throttle both threads'
+    spin-waits, slowing each side by up to ~40% on 2 cores. Each side gets the process a user would run it in.
+    """
+
+    def __init__(self, folder, dtype: torch.dtype, device: torch.device) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_baseline_main, args=(child, str(folder), str(dtype), str(device)))
+        self._process.start()
+        assert self._conn.recv() == "ready"
+
+    def run(self, prompts: list[list[int]], max_new_tokens: int, pad_id: int, one_by_one: bool) -> float:
+        """Tokens/s of generate() on these prompts (timed in the child, so the pipe costs nothing)."""
+        self._conn.send((prompts, max_new_tokens, pad_id, one_by_one))
+        return self._conn.recv()
+
+    def close(self) -> None:
+        self._conn.send(None)
+        self._process.join(timeout=60)
+
+
+def _baseline_main(conn, folder: str, dtype: str, device: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(engine.loaded.folder, dtype=engine.dtype).to(engine.device).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype.removeprefix("torch.")))
+    model = model.to(device).eval()
     for param in model.parameters():  # own the weights, as the engine does (an mmap-backed model is far slower)
         param.data = param.data.clone()
     model.tie_weights()
-    return model
+    conn.send("ready")
+    while (job := conn.recv()) is not None:
+        prompts, max_new_tokens, pad_id, one_by_one = job
+        batches = [[p] for p in prompts] if one_by_one else [prompts]
+        _sync(torch.device(device))
+        start = time.perf_counter()
+        for batch in batches:
+            _generate(model, batch, max_new_tokens, pad_id)
+        _sync(torch.device(device))
+        conn.send(len(prompts) * max_new_tokens / (time.perf_counter() - start))
 
 
 @torch.inference_mode()

@@ -54,6 +54,37 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
         self.config = config or EngineConfig()
+        self._lock = threading.Condition()
+        self._running = False
+        self._stopped = False
+        # Every torch operation of the engine (loading, cache allocation, every step) runs on this one thread.
+        # On few cores, a second thread running OpenMP regions (the caller's, had it loaded the model) makes
+        # libgomp throttle every team's spin-waits: decode measured ~40% slower than from a single thread.
+        setup_failure: list[BaseException] = []
+        setup_done = threading.Event()
+
+        def engine_thread() -> None:
+            try:
+                self._setup(loaded)
+            except BaseException as exc:  # handed to the constructor's caller below
+                setup_failure.append(exc)
+                return
+            finally:
+                setup_done.set()
+            with self._lock:
+                while not (self._running or self._stopped):
+                    self._lock.wait()
+            if self._running:
+                self._loop()
+
+        self._thread: threading.Thread | None = threading.Thread(target=engine_thread, name="tern-engine", daemon=True)
+        self._thread.start()
+        setup_done.wait()
+        if setup_failure:
+            self._thread = None
+            raise setup_failure[0]
+
+    def _setup(self, loaded: LoadedModel | None) -> None:
         self.loaded = loaded or loader.load(self.config)
         model, hf_config = self.loaded.model, self.loaded.hf_config
         self.device, self.dtype = self.loaded.device, self.loaded.dtype
@@ -94,13 +125,10 @@ class Engine:
 
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(self.config.seed)
-        self._lock = threading.Condition()
         self._inbox: deque[tuple[Request, RequestStream]] = deque()
         self._aborts: deque[str] = deque()
         self._requests: dict[str, tuple[Request, RequestStream]] = {}  # engine thread only
         self._recent_tokens: deque[tuple[float, int]] = deque()
-        self._thread: threading.Thread | None = None
-        self._running = False
         logger.info(
             "engine ready: %s (%s, %s, %s), max_model_len %d, %d KV blocks of %d tokens",
             self.model_name,
@@ -114,16 +142,18 @@ class Engine:
 
     # Lifecycle.
     def start(self) -> Engine:
-        if self._thread is None:
-            self._running = True
+        with self._lock:
+            self._running, self._stopped = True, False
+            self._lock.notify_all()
+        if self._thread is None:  # started again after stop(): the setup thread has ended
             self._thread = threading.Thread(target=self._loop, name="tern-engine", daemon=True)
             self._thread.start()
         return self
 
     def stop(self) -> None:
         with self._lock:
-            self._running = False
-            self._lock.notify()
+            self._running, self._stopped = False, True
+            self._lock.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
