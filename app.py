@@ -55,6 +55,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         "--max-num-seqs", type=int, default=int(env("TERN_MAX_NUM_SEQS", "64")), help="sequences per step (TERN_MAX_NUM_SEQS)"
     )
     parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=int(env("TERN_MAX_NUM_BATCHED_TOKENS", "2048")),
+        help="tokens per step; longer prompts are prefilled in chunks (TERN_MAX_NUM_BATCHED_TOKENS)",
+    )
+    parser.add_argument(
         "--max-waiting",
         type=int,
         default=int(env("TERN_MAX_WAITING", "256")),
@@ -85,6 +91,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         bnb_double_quant=args.bnb_double_quant,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting,
         cache_dir=args.cache_dir,
     )

@@ -8,6 +8,9 @@ Each level runs `concurrency` clients that each send requests back to back until
 --prompt-tokens tokens (counted by the server's own usage numbers). Every request asks for exactly --max-tokens
 tokens (`ignore_eos` and `min_tokens`, which Tern and vLLM honour and other servers ignore).
 
+--intruder-tokens 2000 repeats each level with one ~2,000-token prompt arriving mid-decode (the chunked
+prefill check: the other streams' inter-token latency should barely move).
+
 Per level: aggregate output tokens/s, requests/s, time to first token p50/p95, inter-token latency p50/p95,
 decode tokens/s per stream (after the first token), errors. Markdown table on stdout; --json writes the same.
 Only point it at servers you run yourself (127.0.0.1 in our tests and notes).
@@ -50,16 +53,18 @@ class RequestResult:
     error: str = ""
 
 
-async def one_request(client: httpx.AsyncClient, args, index: int) -> RequestResult:
+async def one_request(client: httpx.AsyncClient, args, index: int, prompt_tokens: int | None = None,
+                      max_tokens: int | None = None) -> RequestResult:
+    max_tokens = max_tokens or args.max_tokens
     body = {
         "model": args.model,
-        "messages": [{"role": "user", "content": seeded_prompt(index, args.prompt_tokens)}],
-        "max_tokens": args.max_tokens,
+        "messages": [{"role": "user", "content": seeded_prompt(index, prompt_tokens or args.prompt_tokens)}],
+        "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
         "ignore_eos": True,
-        "min_tokens": args.max_tokens,
+        "min_tokens": max_tokens,
     }
     result = RequestResult(ok=False, start=time.perf_counter())
     try:
@@ -87,7 +92,7 @@ async def one_request(client: httpx.AsyncClient, args, index: int) -> RequestRes
     return result
 
 
-async def run_level(args, concurrency: int) -> dict:
+async def run_level(args, concurrency: int, intruder_tokens: int = 0) -> dict:
     quota = args.requests_per_level or max(4, 2 * concurrency)
     counter = iter(range(quota))
     results: list[RequestResult] = []
@@ -99,10 +104,18 @@ async def run_level(args, concurrency: int) -> dict:
             for index in counter:
                 results.append(await one_request(client, args, index))
 
+        async def intruder() -> None:
+            # One long prompt lands while the others decode: chunked prefill should keep their pace steady.
+            await asyncio.sleep(args.intruder_delay)
+            await one_request(client, args, 10_000, prompt_tokens=intruder_tokens, max_tokens=1)
+
         start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        extra = [intruder()] if intruder_tokens else []
+        await asyncio.gather(*(worker() for _ in range(concurrency)), *extra)
         wall = time.perf_counter() - start
-    return summarize(concurrency, results, wall)
+    row = summarize(concurrency, results, wall)
+    row["intruder_tokens"] = intruder_tokens
+    return row
 
 
 def summarize(concurrency: int, results: list[RequestResult], wall: float) -> dict:
@@ -141,7 +154,8 @@ def print_table(rows: list[dict]) -> None:
           "| ITL p95 ms | per-stream tok/s | prompt tokens |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['concurrency']} | {r['requests']} | {r['errors']} | {r['output_tok_s']:.1f} | {r['requests_s']:.2f} "
+        label = f"{r['concurrency']} + one {r['intruder_tokens']}-token prompt" if r["intruder_tokens"] else r["concurrency"]
+        print(f"| {label} | {r['requests']} | {r['errors']} | {r['output_tok_s']:.1f} | {r['requests_s']:.2f} "
               f"| {r['ttft_p50_s']:.2f} | {r['ttft_p95_s']:.2f} | {r['itl_p50_ms']:.1f} | {r['itl_p95_ms']:.1f} "
               f"| {r['stream_decode_tok_s']:.1f} | {r['mean_prompt_tokens']:.0f} |")
     for r in rows:
@@ -157,6 +171,8 @@ async def main_async(args) -> list[dict]:
     rows = []
     for concurrency in args.concurrency:
         rows.append(await run_level(args, concurrency))
+        if args.intruder_tokens:
+            rows.append(await run_level(args, concurrency, args.intruder_tokens))
     return rows
 
 
@@ -169,6 +185,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--requests-per-level", type=int, help="default: twice the concurrency, at least 4")
+    parser.add_argument("--intruder-tokens", type=int, default=0,
+                        help="also run each level with one prompt of about this many tokens arriving mid-decode")
+    parser.add_argument("--intruder-delay", type=float, default=3.0, help="seconds into the level it arrives")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
