@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import KVCache
-from engine.models.attention import AttentionMetadata
+from engine.models.attention import AttentionGroup, AttentionMetadata
 from engine.scheduler import ScheduledBatch
 
 
@@ -38,30 +38,50 @@ class ModelRunner:
         lengths = batch.num_new_tokens
         token_ids: list[int] = []
         positions: list[int] = []
+        slots: list[int] = []
+        offsets: list[int] = []  # where each sequence's tokens start in T
         for seq, start, length in zip(batch.seqs, starts, lengths):
+            offsets.append(len(token_ids))
             token_ids += seq.token_ids[start : start + length]
             positions += range(start, start + length)
+            table = seq.block_table
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + length)]
 
-        num_seqs, max_query = len(lengths), max(lengths)
+        decoding = [i for i, n in enumerate(lengths) if n == 1]
+        prefilling = [i for i, n in enumerate(lengths) if n > 1]
+        if decoding and prefilling:  # attend apart, so decoding rows are not padded to the prompts' length
+            groups = [self._group(batch, starts, offsets, part, with_rows=True) for part in (decoding, prefilling)]
+        else:
+            groups = [self._group(batch, starts, offsets, list(range(len(lengths))), with_rows=False)]
+
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+        return input_ids, torch.tensor(positions, dtype=torch.long, device=device), meta
+
+    def _group(self, batch: ScheduledBatch, starts, offsets, members: list[int], with_rows: bool) -> AttentionGroup:
+        block_size, device = self.block_size, self.device
+        seqs = [batch.seqs[i] for i in members]
+        starts = [starts[i] for i in members]
+        lengths = [batch.num_new_tokens[i] for i in members]
+        num_seqs, max_query = len(seqs), max(lengths)
         context_lens = torch.tensor([s + n for s, n in zip(starts, lengths)], device=device)
         max_context = int(context_lens.max())
         max_blocks = -(-max_context // block_size)
         tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long, device=device)
-        for i, seq in enumerate(batch.seqs):
+        for i, seq in enumerate(seqs):
             row = seq.block_table[:max_blocks]
             tables[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-
         key_pos = torch.arange(max_context, device=device)
         context_slots = tables[:, key_pos // block_size] * block_size + key_pos % block_size  # [B, L]
-        positions_t = torch.tensor(positions, dtype=torch.long, device=device)
-        offsets = torch.tensor([0, *lengths], device=device).cumsum(0)[:-1]  # where each seq starts in T
-        batch_index = torch.repeat_interleave(torch.arange(num_seqs, device=device), torch.tensor(lengths, device=device))
-        slot_mapping = context_slots[batch_index, positions_t]
 
         query_j = torch.arange(max_query, device=device)
         lengths_t = torch.tensor(lengths, device=device)
-        query_index = torch.where(query_j[None] < lengths_t[:, None], offsets[:, None] + query_j[None], 0)
-        output_index = batch_index * max_query + (torch.arange(len(token_ids), device=device) - offsets[batch_index])
+        offsets_t = torch.tensor([offsets[i] for i in members], device=device)
+        query_index = torch.where(query_j[None] < lengths_t[:, None], offsets_t[:, None] + query_j[None], 0)
+        output_index = torch.tensor([b * max_query + j for b, n in enumerate(lengths) for j in range(n)], device=device)
+        rows = None
+        if with_rows:
+            rows = torch.tensor([offsets[i] + j for i, n in zip(members, lengths) for j in range(n)], device=device)
 
         is_decode = max_query == 1
         is_causal = True
@@ -74,10 +94,7 @@ class ModelRunner:
             query_pos = starts_t[:, None] + query_j[None]  # [B, Q]
             attn_mask = (key_pos[None, None] <= query_pos[:, :, None]) & (key_pos[None, None] < context_lens[:, None, None])
             attn_mask = attn_mask[:, None]  # [B, 1, Q, L]
-
-        meta = AttentionMetadata(slot_mapping, query_index, output_index, context_slots, attn_mask, is_causal, is_decode)
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-        return input_ids, positions_t, meta
+        return AttentionGroup(query_index, output_index, context_slots, attn_mask, is_causal, is_decode, rows)
 
 
 def _select_logits(model, hidden, batch: ScheduledBatch, samples, wants_prompt) -> StepLogits:

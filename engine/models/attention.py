@@ -8,20 +8,29 @@ import torch.nn.functional as F
 
 
 @dataclass
-class AttentionMetadata:
-    """Where a batch's tokens live, built once per step by the runner and shared by every layer.
+class AttentionGroup:
+    """Sequences attended together on a padded view: B sequences x Q query positions x L context positions.
 
-    Tokens of all sequences are flattened into one dimension T. Attention works on a padded view:
-    B sequences x Q query positions x L context positions.
+    A batch that mixes decoding sequences (one new token each) with prompts being prefilled is split into a
+    decode group and a prefill group, so one long prompt does not pad every decoding sequence to its length.
     """
 
-    slot_mapping: torch.Tensor  # [T] cache slot of each new token
     query_index: torch.Tensor  # [B, Q] index into T for each padded query position (padding points at 0)
-    output_index: torch.Tensor  # [T] index into B*Q of each real token (inverse of query_index)
+    output_index: torch.Tensor  # [rows] index into B*Q of each real token of the group, in `rows` order
     context_slots: torch.Tensor  # [B, L] cache slot of each context position (padding points at slot 0)
     attn_mask: torch.Tensor | None  # [B, 1, Q, L] True where attention is allowed; None: see is_causal
     is_causal: bool = True  # with no mask: causal over each sequence's own tokens (False: attend to all L)
-    is_decode: bool = False  # one new token per sequence (Q == 1, T == B): no padding to gather or scatter
+    is_decode: bool = False  # one new token per sequence (Q == 1): no padding to gather or scatter
+    rows: torch.Tensor | None = None  # the group's tokens in T; None: all of T, in order
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a batch's tokens live, built once per step by the runner and shared by every layer. Tokens of all
+    sequences are flattened into one dimension T."""
+
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    groups: list[AttentionGroup]
 
 
 def paged_attention(
@@ -38,33 +47,44 @@ def paged_attention(
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     k_flat.index_copy_(0, meta.slot_mapping, k)
     v_flat.index_copy_(0, meta.slot_mapping, v)
+    if len(meta.groups) == 1 and meta.groups[0].rows is None:
+        return _attend(q, k_flat, v_flat, meta.groups[0], scale)
+    out = q.new_empty(q.shape[0], q.shape[1] * head_dim)
+    for group in meta.groups:
+        out.index_copy_(0, group.rows, _attend(q, k_flat, v_flat, group, scale))
+    return out
 
+
+def _attend(q, k_flat, v_flat, group: AttentionGroup, scale: float) -> torch.Tensor:
+    """Attention output of the group's tokens, [rows, H*D], in the order of group.rows."""
+    num_kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
     # index_select (one memcpy per row) rather than advanced indexing: several times faster on CPU.
-    batch, context_len = meta.context_slots.shape
-    slots = meta.context_slots.reshape(-1)
+    batch, context_len = group.context_slots.shape
+    slots = group.context_slots.reshape(-1)
     keys = k_flat.index_select(0, slots).view(batch, context_len, num_kv_heads, head_dim).transpose(1, 2)
     values = v_flat.index_select(0, slots).view(batch, context_len, num_kv_heads, head_dim).transpose(1, 2)
     num_heads = q.shape[1]
-    if meta.is_decode and q.device.type == "cpu":
-        return _decode_attention_cpu(q, keys, values, meta.attn_mask, scale)
-    if meta.is_decode:
-        queries = q.unsqueeze(2)  # [B, H, 1, D]
+    if group.is_decode:
+        q_rows = q if group.rows is None else q.index_select(0, group.rows)  # [B, H, D]
+        if q.device.type == "cpu":
+            return _decode_attention_cpu(q_rows, keys, values, group.attn_mask, scale)
+        queries = q_rows.unsqueeze(2)  # [B, H, 1, D]
     else:
-        num_queries = meta.query_index.shape[1]
-        queries = q.index_select(0, meta.query_index.reshape(-1)).view(batch, num_queries, num_heads, head_dim)
+        num_queries = group.query_index.shape[1]
+        queries = q.index_select(0, group.query_index.reshape(-1)).view(batch, num_queries, num_heads, head_dim)
         queries = queries.transpose(1, 2)  # [B, H, Q, D]
     out = F.scaled_dot_product_attention(
         queries,
         keys,
         values,
-        attn_mask=meta.attn_mask,
-        is_causal=meta.attn_mask is None and meta.is_causal,
+        attn_mask=group.attn_mask,
+        is_causal=group.attn_mask is None and group.is_causal,
         scale=scale,
         enable_gqa=num_heads != num_kv_heads,
     )
     num_queries = out.shape[2]
     out = out.transpose(1, 2).reshape(batch * num_queries, num_heads * head_dim)
-    return out if meta.is_decode else out.index_select(0, meta.output_index)
+    return out if group.is_decode else out.index_select(0, group.output_index)
 
 
 def _decode_attention_cpu(q, keys, values, attn_mask, scale: float) -> torch.Tensor:
