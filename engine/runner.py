@@ -75,15 +75,17 @@ class ModelRunner:
         context_slots = tables[:, key_pos // block_size] * block_size + key_pos % block_size  # [B, L]
 
         query_j = torch.arange(max_query, device=device)
-        lengths_t = torch.tensor(lengths, device=device)
-        offsets_t = torch.tensor([offsets[i] for i in members], device=device)
-        query_index = torch.where(query_j[None] < lengths_t[:, None], offsets_t[:, None] + query_j[None], 0)
-        output_index = torch.tensor([b * max_query + j for b, n in enumerate(lengths) for j in range(n)], device=device)
+        is_decode = max_query == 1
+        query_index = output_index = None  # a decode group reads its queries straight from its rows
+        if not is_decode:
+            lengths_t = torch.tensor(lengths, device=device)
+            offsets_t = torch.tensor([offsets[i] for i in members], device=device)
+            query_index = torch.where(query_j[None] < lengths_t[:, None], offsets_t[:, None] + query_j[None], 0)
+            output_index = torch.tensor([b * max_query + j for b, n in enumerate(lengths) for j in range(n)], device=device)
         rows = None
         if with_rows:
             rows = torch.tensor([offsets[i] + j for i, n in zip(members, lengths) for j in range(n)], device=device)
 
-        is_decode = max_query == 1
         is_causal = True
         if all(start == 0 for start in starts):
             attn_mask = None  # a fresh prefill of every sequence: plain causal attention over its own tokens

@@ -130,25 +130,26 @@ class Scheduler:
         At least one token is left to compute: the step needs it to produce the next token's logits."""
         if not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table or seq.wants_prompt_logprobs:
             return False
-        size = self.block_size
-        for start in range(0, seq.num_tokens - 1 - size + 1, size):
-            parent = seq.block_hashes[-1] if seq.block_hashes else b""
-            content_hash = block_hash(parent, seq.token_ids[start : start + size])
+        for index in range((seq.num_tokens - 1) // self.block_size):  # blocks wholly before the last token
+            content_hash = self._hash_of_block(seq, index)
             block = self.allocator.take_cached(content_hash)
             if block is None:
                 break
             seq.block_table.append(block)
             seq.block_hashes.append(content_hash)
-        seq.num_computed_tokens = len(seq.block_table) * size
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
         return bool(seq.block_table)
 
     def _register_full_blocks(self, seq: Sequence) -> None:
-        size = self.block_size
-        for index in range(len(seq.block_hashes), seq.num_computed_tokens // size):
-            parent = seq.block_hashes[-1] if seq.block_hashes else b""
-            content_hash = block_hash(parent, seq.token_ids[index * size : (index + 1) * size])
+        for index in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
+            content_hash = self._hash_of_block(seq, index)
             seq.block_hashes.append(content_hash)
             self.allocator.register(seq.block_table[index], content_hash)
+
+    def _hash_of_block(self, seq: Sequence, index: int) -> bytes:
+        """Hash of the seq's block `index`, chained to the blocks before it (block_hashes holds those)."""
+        parent = seq.block_hashes[index - 1] if index else b""
+        return block_hash(parent, seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks and put it first in line; its tokens are recomputed when it returns."""

@@ -15,8 +15,8 @@ class AttentionGroup:
     decode group and a prefill group, so one long prompt does not pad every decoding sequence to its length.
     """
 
-    query_index: torch.Tensor  # [B, Q] index into T for each padded query position (padding points at 0)
-    output_index: torch.Tensor  # [rows] index into B*Q of each real token of the group, in `rows` order
+    query_index: torch.Tensor | None  # [B, Q] index into T of each padded query position (padding: 0); None: decode
+    output_index: torch.Tensor | None  # [rows] index into B*Q of each real token, in `rows` order; None: decode
     context_slots: torch.Tensor  # [B, L] cache slot of each context position (padding points at slot 0)
     attn_mask: torch.Tensor | None  # [B, 1, Q, L] True where attention is allowed; None: see is_causal
     is_causal: bool = True  # with no mask: causal over each sequence's own tokens (False: attend to all L)
