@@ -1,11 +1,14 @@
 # Shaped like a Hugging Face Space (sdk: docker): uid 1000, caches under $HOME, port 7860.
 FROM python:3.11-slim
 
+# g++: torch.compile's CPU code generator builds the compiled decode step with it (--no-compile runs without).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN useradd -m -u 1000 user
 USER user
 ENV HOME=/home/user \
     PATH=/home/user/.local/bin:$PATH \
     TERN_CACHE=/home/user/.cache/tern \
+    TORCHINDUCTOR_CACHE_DIR=/home/user/.cache/tern/inductor \
     PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1
 WORKDIR $HOME/app

@@ -72,6 +72,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         default=env("TERN_BNB_DOUBLE_QUANT", "").lower() in ("1", "true", "yes"),
         help="bnb-nf4/bnb-fp4: also quantize the per-block scales (TERN_BNB_DOUBLE_QUANT)",
     )
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=env("TERN_COMPILE", "1").lower() in ("1", "true", "yes"),
+        help="torch.compile the decode step (CPU, none/int8 weights): about 1.8x faster int8 single stream, "
+        "a few minutes of compiling on the first start, cached after; --no-compile starts in seconds (TERN_COMPILE)",
+    )
     parser.add_argument("--api-key", default=env("TERN_API_KEY"), help="require this bearer key on /v1 (TERN_API_KEY)")
     parser.add_argument(
         "--served-model-name", default=env("TERN_SERVED_MODEL_NAME"), help="model id clients see (TERN_SERVED_MODEL_NAME)"
@@ -93,6 +100,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting,
+        compile=args.compile,
         cache_dir=args.cache_dir,
     )
     return server, engine_config, args.prepare_only

@@ -49,10 +49,12 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--sequential-sample", type=int, default=2, help="requests timed for the sequential baseline")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                        help="run the engine with its compiled decode step (as the server does by default)")
     args = parser.parse_args()
 
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-                                 max_num_seqs=max(64, args.streams))).start()
+                                 max_num_seqs=max(64, args.streams), compile=args.compile)).start()
     baseline = BaselineProcess(engine.loaded.folder, engine.dtype, engine.device)
     pad_id = engine.tokenizer.tokenizer.pad_token_id or 0
     tokenizer = engine.tokenizer

@@ -45,6 +45,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                        help="run the engine with its compiled decode step (as the server does by default)")
     args = parser.parse_args()
     bench_engine = _bench_engine_module()
 
@@ -57,7 +59,8 @@ def main() -> None:
             rows.append(f"| {mode} | - | - | - | - | - | {reason} |")
             continue
         config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, quantization=mode,
-                              max_num_seqs=max(args.streams, 1), max_model_len=2048)
+                              max_num_seqs=max(args.streams, 1), max_model_len=2048,
+                              compile=args.compile)
         engine = Engine(config).start()
         model_name = engine.model_name
         try:

@@ -18,6 +18,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own max_position_embeddings
     max_num_seqs: int = 64  # sequences decoded together in one step
     max_num_batched_tokens: int = 2048  # tokens in one forward; longer prompts are prefilled in chunks
+    compile: bool = False  # torch.compile the decode step (CPU, native path, none/int8); prefill stays eager
     enable_prefix_caching: bool = True  # reuse cached KV blocks of a shared prompt prefix (native path)
     max_waiting: int = 256  # queued sequences beyond which submit() refuses (backpressure)
     block_size: int = 16  # tokens per KV-cache block

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import loader
+from engine import compiled, loader
 from engine.config import EngineConfig
 from engine.errors import ContextLengthExceededError, InvalidRequestError, QueueFullError
 from engine.kv_cache import BlockAllocator, KVCache, blocks_needed
@@ -95,6 +95,7 @@ class Engine:
 
         block_size = self.config.block_size
         max_model_len = self._context_limit(hf_config)
+        self.compiled_decode = False  # True once the decode step runs under torch.compile
         if self.loaded.is_native:
             kv_args = (hf_config.num_hidden_layers, block_size, model.num_kv_heads, model.head_dim)
             num_blocks = self.config.num_kv_blocks or max(
@@ -107,13 +108,15 @@ class Engine:
             max_model_len = min(max_model_len, num_blocks * block_size)
             self.kv_cache = KVCache(kv_args[0], num_blocks, *kv_args[1:], self.dtype, self.device)
             model.build_rope_tables(max_model_len, self.device, self.dtype)
-            self.runner = ModelRunner(model, self.kv_cache, self.device)
+            self.runner = ModelRunner(model, self.kv_cache, self.device, self._compiled_forward(model))
         else:
             # The generic path recomputes everything, but the allocator still bounds concurrent context.
             num_blocks = self.config.num_kv_blocks or self.config.max_num_seqs * blocks_needed(max_model_len, block_size)
             pad_id = self.loaded.tokenizer.pad_token_id or 0
             self.runner = RecomputeRunner(model, self.device, pad_id)
         self.max_model_len = max_model_len
+        if self.compiled_decode:
+            self._warm_up_compiled_decode()
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(
             self.allocator,
@@ -139,6 +142,25 @@ class Engine:
             num_blocks,
             block_size,
         )
+
+    def _compiled_forward(self, model):
+        """The model's forward compiled for decode steps, or None (eager) when off or not supported here."""
+        if not self.config.compile:
+            return None
+        reason = compiled.unsupported_reason(self.loaded.is_native, self.device, self.loaded.quantization)
+        if reason:
+            logger.warning("not compiling the decode step: %s", reason)
+            return None
+        self.compiled_decode = True
+        return compiled.compile_forward(model)
+
+    def _warm_up_compiled_decode(self) -> None:
+        try:
+            self.runner.warmup(self.config.max_num_seqs)
+        except Exception as exc:  # a compiler problem costs speed, never the server
+            logger.warning("compiling the decode step failed, running eager: %s: %s", type(exc).__name__, exc)
+            self.runner.compiled_forward = None
+            self.compiled_decode = False
 
     # Lifecycle.
     def start(self) -> Engine:

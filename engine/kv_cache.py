@@ -90,16 +90,27 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 class KVCache:
-    """One K and one V tensor per layer, shaped [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """One K and one V tensor per layer, each shaped [num_blocks * block_size, num_kv_heads, head_dim]: the
+    slots of block b are rows b * block_size ... (b + 1) * block_size - 1.
+
+    Every layer's tensors have their own storage and no block dimension: the compiled decode step writes them
+    in place, and graph inputs that alias one storage, or writes through a view, made torch.compile copy the
+    whole cache at every step.
+    """
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device) -> None:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks = num_blocks
         self.block_size = block_size
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(self.keys[i], self.values[i]) for i in range(self.keys.shape[0])]
+        return list(zip(self.keys, self.values))
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
     @staticmethod
     def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:

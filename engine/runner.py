@@ -1,13 +1,18 @@
 """One forward pass for a scheduled batch: build the input tensors, run the model, return the logits asked for."""
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
+from engine import compiled
 from engine.kv_cache import KVCache
 from engine.models.attention import AttentionGroup, AttentionMetadata
 from engine.scheduler import ScheduledBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -19,18 +24,36 @@ class StepLogits:
 class ModelRunner:
     """Runs the native model against the paged KV cache. Owns nothing but scratch; called from one thread."""
 
-    def __init__(self, model, kv_cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model, kv_cache: KVCache, device: torch.device, compiled_forward=None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.kv_layers = kv_cache.layers()
         self.block_size = kv_cache.block_size
         self.device = device
+        self.compiled_forward = compiled_forward  # runs decode steps when set; see engine/compiled.py
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, samples: list[bool], wants_prompt: list[bool]) -> StepLogits:
         input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_layers, meta)
+        forward = self.model.forward
+        if self.compiled_forward is not None and all(n == 1 for n in batch.num_new_tokens):
+            compiled.mark_dynamic(input_ids, positions, meta)
+            forward = self.compiled_forward
+        hidden = forward(input_ids, positions, self.kv_layers, meta)
         return _select_logits(self.model, hidden, batch, samples, wants_prompt)
+
+    def warmup(self, max_num_seqs: int) -> None:
+        """Compile the decode step for every batch-size regime now, so no request waits on the compiler."""
+        if self.compiled_forward is None:
+            return
+        started = time.monotonic()
+        sizes = compiled.warmup_batch_sizes(max_num_seqs)
+        context_len = compiled.warmup_context_len(sizes, self.block_size, self.kv_cache.num_blocks)
+        table = list(range(-(-context_len // self.block_size)))
+        for size in sizes:
+            seqs = [compiled.WarmupSequence([0] * context_len, context_len - 1, table) for _ in range(size)]
+            self.run(ScheduledBatch(seqs, [1] * size), [True] * size, [False] * size)
+        logger.info("compiled the decode step for batch sizes %s in %.1f s", sizes, time.monotonic() - started)
 
     def _prepare(self, batch: ScheduledBatch):
         block_size, device = self.block_size, self.device

@@ -138,4 +138,4 @@ def _kv_cache_bytes(engine) -> int:
     cache = getattr(engine, "kv_cache", None)  # absent on the generic (recompute) path
     if cache is None:
         return 0
-    return cache.keys.numel() * cache.keys.element_size() + cache.values.numel() * cache.values.element_size()
+    return cache.num_bytes

@@ -37,14 +37,15 @@ def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks * block_size, Hkv, D]: slot = block * block_size + offset
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H*D]
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    head_dim = k.shape[2]
+    # The caches come flat and each layer's has its own storage: under torch.compile, a write through a view
+    # of the cache (or into tensors sharing one storage) made inductor copy the layer's whole cache per step.
+    k_flat, v_flat = k_cache, v_cache
     k_flat.index_copy_(0, meta.slot_mapping, k)
     v_flat.index_copy_(0, meta.slot_mapping, v)
     if len(meta.groups) == 1 and meta.groups[0].rows is None:

@@ -1,0 +1,80 @@
+"""The decode step under torch.compile: the eager model's ~60 small ops per layer fused into a few kernels.
+
+At batch 1 on a small model the eager step spends about as long launching ops from Python as reading weights;
+compiled, the default model's int8 single stream went from 27 to 49 tok/s on a 2-core CPU. Only decode steps (every sequence adds one token, the
+steady state of serving) run compiled. Prefill and mixed steps run the eager model, the compiled step's twin,
+which the tests compare it against token for token.
+
+Sizes that change every step (number of sequences, context length) are marked dynamic, so one graph serves
+every step of a regime. Torch still specializes a size of 1, and the int8 kernel choice depends on the batch
+size, so warm-up compiles each regime once before the first request rather than in the middle of one.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.models.attention import AttentionMetadata
+
+# Quantizations whose layers trace without graph breaks (bitsandbytes layers call into a C library).
+COMPILABLE_QUANTIZATIONS = ("none", "int8")
+
+
+def unsupported_reason(is_native: bool, device: torch.device, quantization: str) -> str | None:
+    """None when the decode step can be compiled here, else why not (the engine then runs eager)."""
+    if not is_native:
+        return "the generic transformers path runs eager"
+    if device.type != "cpu":
+        return f"compiled decode is verified on CPU only; {device.type} runs eager"
+    if quantization not in COMPILABLE_QUANTIZATIONS:
+        return f"--quantization {quantization} layers do not trace; they run eager"
+    if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
+        return "no C++ compiler (g++) for torch's CPU code generator"
+    return None
+
+
+def compile_forward(model):
+    """model.forward compiled for decode steps; the eager forward stays on the model as its twin. Inductor
+    caches the compiled kernels on disk (TORCHINDUCTOR_CACHE_DIR), so a restart mostly just traces again."""
+    # emulate_precision_casts: round to bf16 wherever eager does, so greedy tokens match the eager step.
+    return torch.compile(model.forward, fullgraph=True, options={"emulate_precision_casts": True})
+
+
+def mark_dynamic(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Let the number of sequences and the context length vary without recompiling."""
+    marks = [(input_ids, 0), (positions, 0), (meta.slot_mapping, 0)]
+    for group in meta.groups:
+        marks += [(group.context_slots, 0), (group.context_slots, 1)]
+        if group.attn_mask is not None:
+            marks += [(group.attn_mask, 0), (group.attn_mask, 3)]
+    for tensor, dim in marks:
+        if tensor.shape[dim] > 1:  # torch specializes sizes 0 and 1 whatever we ask
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+@dataclass
+class WarmupSequence:
+    """Just what ModelRunner reads of a Sequence: a fake decode in the cache's first blocks, before any
+    request has a block (whatever it writes there is overwritten before anything reads it)."""
+
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int] = field(default_factory=list)
+
+
+def warmup_batch_sizes(max_num_seqs: int) -> list[int]:
+    """One batch size per regime: 1 (specialized), 2 (the general graph), and the largest allowed, which
+    crosses the int8 kernel's row limit when max_num_seqs is above it."""
+    return sorted({1, min(2, max_num_seqs), max_num_seqs})
+
+
+def warmup_context_len(batch_sizes: list[int], block_size: int, num_blocks: int) -> int:
+    """A context length that fits the cache and equals no batch size: torch gives equal sizes one symbol while
+    tracing, which would tie the graph to batch size == context length."""
+    length = min(2 * block_size + 3, num_blocks * block_size)
+    while length in batch_sizes and length > 2:
+        length -= 1
+    return length

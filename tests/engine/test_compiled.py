@@ -1,0 +1,107 @@
+"""The compiled decode step (EngineConfig.compile) against its eager twin: the same tokens and logprobs, alone,
+batched, with sequences joining mid-decode, and on the default model against transformers."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams, quant
+from conftest import build_tiny, tiny_config
+
+PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+
+
+def _engine(tokenizer, dtype: str, mode: str, compile: bool, max_num_seqs: int) -> Engine:
+    _, loaded = build_tiny(tiny_config("llama"), tokenizer, seed=0, dtype=getattr(torch, dtype))
+    quant.quantize(loaded.model, mode, loaded.device, loaded.dtype)
+    loaded.quantization = mode
+    config = EngineConfig(dtype=dtype, quantization=mode, compile=compile, max_num_seqs=max_num_seqs)
+    return Engine(config, loaded=loaded).start()
+
+
+def _prompts(count: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    lengths = torch.randint(3, 40, (count,), generator=generator).tolist()
+    return [torch.randint(3, 2000, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _outputs(engine: Engine, prompts: list[list[int]]) -> list[tuple[list[int], list]]:
+    """(token ids, logprob entries) of each sequence: three alone, all at once, four arriving mid-decode."""
+    runs = [engine.generate([p], PARAMS)[0] for p in prompts[:3]]
+    runs += engine.generate(prompts, PARAMS)
+    streams = []
+    for prompt in prompts[:4]:  # each joins while the earlier ones decode: mixed steps, then decode steps
+        streams.append(engine.submit(prompt, PARAMS))
+        time.sleep(0.01)
+    staggered = [[out for out in stream] for stream in streams]
+    results = [(c.choices[0].token_ids, c.choices[0].logprobs) for c in runs]
+    results += [([t for o in outs for t in o.token_ids], [e for o in outs for e in o.logprobs]) for outs in staggered]
+    return results
+
+
+def _assert_same_up_to_ties(ours, eager, tie: float) -> None:
+    """The same tokens, except that bf16 rounding may flip a near tie of the eager step (after which the
+    sequences go their own ways); logprobs agree up to there."""
+    for (our_ids, our_entries), (ids, entries) in zip(ours, eager):
+        for position, (mine, theirs) in enumerate(zip(our_ids, ids)):
+            if mine != theirs:
+                top = dict(entries[position].top)
+                assert mine in top and top[theirs] - top[mine] <= tie, f"not a tie at {position}: {mine} vs {theirs}"
+                break
+            assert abs(our_entries[position].logprob - entries[position].logprob) <= tie
+        assert len(our_ids) == len(ids)
+
+
+@pytest.mark.parametrize("dtype,mode,tie", [("float32", "none", 0.0), ("bfloat16", "none", 0.05), ("bfloat16", "int8", 0.05)])
+def test_compiled_decode_gives_the_eager_twins_tokens(default_tokenizer, dtype, mode, tie):
+    # 34 sequences at once: past the int8 kernel's 32-row limit, the third graph warm-up compiles.
+    prompts = _prompts(34)
+    eager = _engine(default_tokenizer, dtype, mode, compile=False, max_num_seqs=34)
+    try:
+        expected = _outputs(eager, prompts)
+    finally:
+        eager.stop()
+    compiled = _engine(default_tokenizer, dtype, mode, compile=True, max_num_seqs=34)
+    try:
+        assert compiled.compiled_decode
+        ours = _outputs(compiled, prompts)
+    finally:
+        compiled.stop()
+    if tie == 0.0:  # fp32: exactly the eager tokens, logprobs to float rounding
+        assert [ids for ids, _ in ours] == [ids for ids, _ in expected]
+        tie = 1e-4
+    _assert_same_up_to_ties(ours, expected, tie)
+    flipped = sum(a != b for (a, _), (b, _) in zip(ours, expected))
+    # The tiny random model is nearly uniform (logprobs ~ -10.8), so bf16 ties are common; most still agree.
+    assert flipped <= len(expected) // 3, f"{flipped} of {len(expected)} sequences left the eager path"
+
+
+def test_compile_where_unsupported_runs_eager_and_still_serves(tiny_engine_factory):
+    engine, _ = tiny_engine_factory("gpt2", compile=True)  # the generic transformers path is never compiled
+    assert not engine.compiled_decode
+    [completion] = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(completion.choices[0].token_ids) == 4
+
+
+@pytest.mark.slow
+def test_compiled_default_model_matches_transformers(default_tokenizer):
+    """The parity test of test_parity.py, on the compiled engine the server runs by default."""
+    from test_parity import PROMPTS, _chat_ids, _hf_greedy
+    from transformers import AutoModelForCausalLM
+
+    engine = Engine(EngineConfig(dtype="float32", compile=True)).start()
+    try:
+        assert engine.compiled_decode
+        prompt_ids = [_chat_ids(default_tokenizer, p) for p in PROMPTS]
+        params = SamplingParams(temperature=0, max_tokens=64)
+        alone = [engine.generate([ids], params)[0].choices[0].token_ids for ids in prompt_ids]
+        together = [c.choices[0].token_ids for c in engine.generate(prompt_ids, params)]
+    finally:
+        engine.stop()
+    hf_model = AutoModelForCausalLM.from_pretrained(engine.loaded.folder, dtype=torch.float32).eval()
+    eos = hf_model.generation_config.eos_token_id
+    reference = [_hf_greedy(hf_model, ids, 64, eos) for ids in prompt_ids]
+    assert alone == reference
+    assert together == reference
