@@ -59,5 +59,6 @@ def _card(server: Server) -> ModelCard:
         dtype=str(engine.dtype).removeprefix("torch."),
         quantization=loaded.quantization,
         weight_bytes=loaded.weight_bytes,
+        compiled_decode=engine.compiled_decode,
         weight_ratio_to_bf16=round(loaded.weight_bytes / max(loaded.bf16_weight_bytes, 1), 3),
     )

@@ -113,6 +113,7 @@ class ModelCard(BaseModel):
     quantization: str = Field(description="Weight quantization mode: none, int8, bnb-int8, bnb-nf4 or bnb-fp4.")
     weight_bytes: int = Field(description="Bytes the weights occupy, quantized storage and scales included.")
     weight_ratio_to_bf16: float = Field(description="weight_bytes over the same weights in bf16.")
+    compiled_decode: bool = Field(description="Whether decode steps run under torch.compile (--compile).")
 
 
 class ModelList(BaseModel):

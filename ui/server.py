@@ -39,6 +39,7 @@ def model_facts(handle: EngineHandle) -> list[list[str]]:
         ["Dtype", _dtype(engine)],
         ["Quantization", engine.loaded.describe_weights()],
         ["Device", str(engine.device)],
+        ["Decode step", "compiled (torch.compile)" if engine.compiled_decode else "eager"],
         ["Memory", f"{format_bytes(weight_bytes + kv_bytes)} ({format_bytes(weight_bytes)} weights + "
                    f"{format_bytes(kv_bytes)} KV cache)"],
         ["Max context", f"{engine.max_model_len:,} tokens"],
