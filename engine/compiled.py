@@ -39,6 +39,9 @@ def unsupported_reason(is_native: bool, device: torch.device, quantization: str)
 def compile_forward(model):
     """model.forward compiled for decode steps; the eager forward stays on the model as its twin. Inductor
     caches the compiled kernels on disk (TORCHINDUCTOR_CACHE_DIR), so a restart mostly just traces again."""
+    # Dynamo counts graphs per code object, and every engine in a process compiles the same forward() (three
+    # graphs each): the default limit of 8 would send the third engine of a test run back to eager.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     # emulate_precision_casts: round to bf16 wherever eager does, so greedy tokens match the eager step.
     return torch.compile(model.forward, fullgraph=True, options={"emulate_precision_casts": True})
 
