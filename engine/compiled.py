@@ -1,9 +1,9 @@
 """The decode step under torch.compile: the eager model's ~60 small ops per layer fused into a few kernels.
 
 At batch 1 on a small model the eager step spends about as long launching ops from Python as reading weights;
-compiled, the default model's int8 single stream went from 27 to 49 tok/s on a 2-core CPU. Only decode steps (every sequence adds one token, the
-steady state of serving) run compiled. Prefill and mixed steps run the eager model, the compiled step's twin,
-which the tests compare it against token for token.
+compiled, the default model's int8 single stream went from 27 to 49 tok/s on a 2-core CPU. Only decode steps
+(every sequence adds one token, the steady state of serving) run compiled. Prefill and mixed steps run the
+eager model, the compiled step's twin, which the tests compare it against token for token.
 
 Sizes that change every step (number of sequences, context length) are marked dynamic, so one graph serves
 every step of a regime. Torch still specializes a size of 1, and the int8 kernel choice depends on the batch
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -65,7 +65,7 @@ class WarmupSequence:
 
     token_ids: list[int]
     num_computed_tokens: int
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int]
 
 
 def warmup_batch_sizes(max_num_seqs: int) -> list[int]:

@@ -95,7 +95,6 @@ class Engine:
 
         block_size = self.config.block_size
         max_model_len = self._context_limit(hf_config)
-        self.compiled_decode = False  # True once the decode step runs under torch.compile
         if self.loaded.is_native:
             kv_args = (hf_config.num_hidden_layers, block_size, model.num_kv_heads, model.head_dim)
             num_blocks = self.config.num_kv_blocks or max(
@@ -115,8 +114,7 @@ class Engine:
             pad_id = self.loaded.tokenizer.pad_token_id or 0
             self.runner = RecomputeRunner(model, self.device, pad_id)
         self.max_model_len = max_model_len
-        if self.compiled_decode:
-            self._warm_up_compiled_decode()
+        self._warm_up_compiled_decode()
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(
             self.allocator,
@@ -151,7 +149,6 @@ class Engine:
         if reason:
             logger.warning("not compiling the decode step: %s", reason)
             return None
-        self.compiled_decode = True
         return compiled.compile_forward(model)
 
     def _warm_up_compiled_decode(self) -> None:
@@ -160,7 +157,11 @@ class Engine:
         except Exception as exc:  # a compiler problem costs speed, never the server
             logger.warning("compiling the decode step failed, running eager: %s: %s", type(exc).__name__, exc)
             self.runner.compiled_forward = None
-            self.compiled_decode = False
+
+    @property
+    def compiled_decode(self) -> bool:
+        """Whether decode steps run under torch.compile (the generic path's runner never compiles)."""
+        return getattr(self.runner, "compiled_forward", None) is not None
 
     # Lifecycle.
     def start(self) -> Engine:

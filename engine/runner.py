@@ -36,14 +36,15 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, samples: list[bool], wants_prompt: list[bool]) -> StepLogits:
         input_ids, positions, meta = self._prepare(batch)
         forward = self.model.forward
-        if self.compiled_forward is not None and all(n == 1 for n in batch.num_new_tokens):
+        if self.compiled_forward is not None and len(meta.groups) == 1 and meta.groups[0].is_decode:
             compiled.mark_dynamic(input_ids, positions, meta)
             forward = self.compiled_forward
         hidden = forward(input_ids, positions, self.kv_layers, meta)
         return _select_logits(self.model, hidden, batch, samples, wants_prompt)
 
     def warmup(self, max_num_seqs: int) -> None:
-        """Compile the decode step for every batch-size regime now, so no request waits on the compiler."""
+        """Compile the decode step for every batch-size regime now, so no request waits on the compiler (a no-op
+        when running eager)."""
         if self.compiled_forward is None:
             return
         started = time.monotonic()

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random-weight engines (fast), the real default model, and a live server subprocess."""
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import subprocess
@@ -87,6 +88,20 @@ def build_tiny(hf_config, tokenizer, seed: int = 0, device: str = "cpu", dtype: 
         model = hf_model = hf_model.to(device=device, dtype=dtype)
     loaded = LoadedModel(model, tokenizer, hf_config, f"tiny-{hf_config.model_type}", ROOT, native, device, dtype)
     return hf_model, loaded
+
+
+def tiny_quantized_engine(model_type: str, mode: str, tokenizer, device: str = "cpu", dtype: str = "float32",
+                          **engine_config):
+    """(engine on the tiny model quantized with `mode`, float transformers twin with the same weights)."""
+    from engine import quant
+
+    hf_model, loaded = build_tiny(tiny_config(model_type), tokenizer, seed=0, device=device, dtype=getattr(torch, dtype))
+    if loaded.model is hf_model:  # the generic path serves the transformers model itself: keep a float twin
+        loaded.model = copy.deepcopy(hf_model)
+    quant.quantize(loaded.model, mode, loaded.device, loaded.dtype)
+    loaded.quantization = mode
+    config = EngineConfig(dtype=dtype, device=device, quantization=mode, **engine_config)
+    return Engine(config, loaded=loaded).start(), hf_model
 
 
 @pytest.fixture

@@ -42,17 +42,15 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H*D]
-    head_dim = k.shape[2]
     # The caches come flat and each layer's has its own storage: under torch.compile, a write through a view
     # of the cache (or into tensors sharing one storage) made inductor copy the layer's whole cache per step.
-    k_flat, v_flat = k_cache, v_cache
-    k_flat.index_copy_(0, meta.slot_mapping, k)
-    v_flat.index_copy_(0, meta.slot_mapping, v)
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
     if len(meta.groups) == 1 and meta.groups[0].rows is None:
-        return _attend(q, k_flat, v_flat, meta.groups[0], scale)
-    out = q.new_empty(q.shape[0], q.shape[1] * head_dim)
+        return _attend(q, k_cache, v_cache, meta.groups[0], scale)
+    out = q.new_empty(q.shape[0], q.shape[1] * k.shape[2])
     for group in meta.groups:
-        out.index_copy_(0, group.rows, _attend(q, k_flat, v_flat, group, scale))
+        out.index_copy_(0, group.rows, _attend(q, k_cache, v_cache, group, scale))
     return out
 
 

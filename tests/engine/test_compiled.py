@@ -7,18 +7,14 @@ import time
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams, quant
-from conftest import build_tiny, tiny_config
+from engine import Engine, EngineConfig, SamplingParams
+from conftest import tiny_quantized_engine
 
 PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
 
 
 def _engine(tokenizer, dtype: str, mode: str, compile: bool, max_num_seqs: int) -> Engine:
-    _, loaded = build_tiny(tiny_config("llama"), tokenizer, seed=0, dtype=getattr(torch, dtype))
-    quant.quantize(loaded.model, mode, loaded.device, loaded.dtype)
-    loaded.quantization = mode
-    config = EngineConfig(dtype=dtype, quantization=mode, compile=compile, max_num_seqs=max_num_seqs)
-    return Engine(config, loaded=loaded).start()
+    return tiny_quantized_engine("llama", mode, tokenizer, dtype=dtype, compile=compile, max_num_seqs=max_num_seqs)[0]
 
 
 def _prompts(count: int) -> list[list[int]]:

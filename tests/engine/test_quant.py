@@ -6,7 +6,6 @@ Perplexity is over the first 1,024 tokens of CPython's own LICENSE.txt, read fro
 from __future__ import annotations
 
 import asyncio
-import copy
 import math
 import sys
 import sysconfig
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny, tiny_config
+from conftest import build_tiny, tiny_config, tiny_quantized_engine
 
 from engine import Engine, EngineConfig, ModelLoadError, SamplingParams
 from engine import quant
@@ -43,16 +42,6 @@ def skip_unless_supported(mode: str, device=CPU, dtype=torch.float32) -> None:
     reason = quant.unsupported_reason(mode, device, dtype)
     if reason:
         pytest.skip(reason)
-
-
-def tiny_quantized_engine(model_type: str, mode: str, tokenizer, device: str = "cpu"):
-    """(engine on the quantized tiny model, float transformers twin with the same weights)."""
-    hf_model, loaded = build_tiny(tiny_config(model_type), tokenizer, seed=0, device=device)
-    if loaded.model is hf_model:  # the generic path serves the transformers model itself: keep a float twin
-        loaded.model = copy.deepcopy(hf_model)
-    quant.quantize(loaded.model, mode, loaded.device, loaded.dtype)
-    loaded.quantization = mode
-    return Engine(EngineConfig(dtype="float32", device=device, quantization=mode), loaded=loaded).start(), hf_model
 
 
 # Fast tier: kernels and tiny models.
