@@ -1,8 +1,10 @@
 """Swap nn.Linear for int8 / bitsandbytes variants after loading; detect what this machine supports; count bytes.
 
 Modes (EngineConfig.quantization):
-- `int8`: weight-only int8, one fp scale per output channel, plain PyTorch. On CPU, small batches (decode) go
-  through `aten._weight_int8pack_mm` with bf16 activations; everything else dequantizes and runs one matmul.
+- `int8`: int8 weights, one fp scale per output channel. On CPUs with AVX512-VNNI, decode-sized batches go
+  through Tern's kernel (engine/cpu_kernels.py), which reads a packed copy of the weight and quantizes the
+  activations to int8 per block (as llama.cpp does); elsewhere through `aten._weight_int8pack_mm` with bf16
+  activations. Larger batches (prefill) dequantize and run one matmul.
   The embedding is quantized too (per row), and a tied lm_head shares that int8 matrix: on SmolLM2 the tied
   49152x576 matrix is 21% of the parameters, and leaving it in bf16 would keep the weights at ~61% of bf16.
 - `bnb-int8` (LLM.int8(), outlier threshold 6.0), `bnb-nf4`, `bnb-fp4` (blocksize 64, compute dtype = the
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_kernels
 from engine.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -27,35 +30,43 @@ logger = logging.getLogger(__name__)
 BNB_MODES = {"bnb-int8": "int8", "bnb-nf4": "nf4", "bnb-fp4": "fp4"}
 MODES = ("none", "int8", *BNB_MODES)
 BNB_INT8_THRESHOLD = 6.0  # transformers' BitsAndBytesConfig default (llm_int8_threshold)
-INT8PACK_MAX_ROWS = 32  # above this many rows, dequantize + one matmul was faster here (prefill)
+INT8_KERNEL_MAX_ROWS = 32  # above this many rows, dequantize + one matmul was faster here (prefill)
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (weight_int8 * scales[:, None]).T + bias, without ever storing the float weight."""
+    """y = x @ (weight_int8 * scales[:, None]).T + bias, without ever storing the float weight. `packed`:
+    weight_int8 holds cpu_kernels.pack's layout (uint8) for the VNNI kernel instead of int8 rows."""
 
-    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 packed: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight_int8.shape
+        self.packed = packed
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("scales", scales)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return packed_int8_linear(x, self.weight_int8, self.scales, self.bias)
         return int8_linear(x, self.weight_int8, self.scales, self.bias)
 
 
 class Int8Embedding(nn.Module):
     """Row lookup of an int8 matrix with one scale per row (the same layout a tied Int8Linear lm_head uses)."""
 
-    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, padding_idx: int | None = None) -> None:
+    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, padding_idx: int | None = None,
+                 packed: bool = False) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = weight_int8.shape
         self.padding_idx = padding_idx
+        self.packed = packed
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("scales", scales)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.weight_int8[input_ids].to(self.scales.dtype) * self.scales[input_ids].unsqueeze(-1)
+        rows = cpu_kernels.packed_rows(self.weight_int8, input_ids) if self.packed else self.weight_int8[input_ids]
+        return rows.to(self.scales.dtype) * self.scales[input_ids].unsqueeze(-1)
 
 
 def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,9 +80,22 @@ def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
 def int8_linear(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
     """The int8 matmul: aten's packed CPU kernel for decode-sized bf16 batches, else the portable path."""
     rows = x.numel() // x.shape[-1]
-    if _has_int8pack_mm() and x.device.type == "cpu" and x.dtype == torch.bfloat16 and rows <= INT8PACK_MAX_ROWS:
+    if _has_int8pack_mm() and x.device.type == "cpu" and x.dtype == torch.bfloat16 and rows <= INT8_KERNEL_MAX_ROWS:
         return int8pack_linear(x, weight_int8, scales, bias)
     return dequantized_linear(x, weight_int8, scales, bias)
+
+
+def packed_int8_linear(x, packed, scales, bias=None) -> torch.Tensor:
+    """The VNNI kernel for decode-sized batches; larger ones take its PyTorch twin, which gives the same bits,
+    so a sequence's tokens do not depend on what else shares its step."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] > INT8_KERNEL_MAX_ROWS:
+        out = cpu_kernels.int8_vnni_twin(flat, cpu_kernels.unpack(packed), scales)
+    else:
+        out = cpu_kernels.int8_vnni_mm(flat, packed, scales)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], packed.shape[0])
 
 
 def int8pack_linear(x, weight_int8, scales, bias=None) -> torch.Tensor:
@@ -136,6 +160,27 @@ def quantize(model: nn.Module, mode: str, device: torch.device, dtype: torch.dty
         setattr(parent, name, new.to(device).eval())
     if mode == "int8":
         _quantize_head_and_embedding(model, head, embedding, dtype, device)
+        if device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
+            pack_for_cpu_kernel(model)
+
+
+def pack_for_cpu_kernel(model: nn.Module) -> None:
+    """Give every Int8Linear (and an embedding sharing its matrix) the VNNI kernel's layout, where the kernel
+    builds on this machine and the shape fits; the rest keep int8 rows. Logs why when the kernel is missing."""
+    reason = cpu_kernels.unsupported_reason()
+    if reason:
+        logger.info("int8 matmul: aten._weight_int8pack_mm (Tern's VNNI kernel: %s)", reason)
+        return
+    # id(int8 rows) -> (those rows, their packed copy): tied modules keep sharing one matrix.
+    packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module in model.modules():
+        if isinstance(module, Int8Linear) and not module.packed and cpu_kernels.can_pack(module.weight_int8):
+            rows = module.weight_int8
+            packed.setdefault(id(rows), (rows, cpu_kernels.pack(rows)))
+    for module in model.modules():
+        if isinstance(module, (Int8Linear, Int8Embedding)) and id(module.weight_int8) in packed:
+            module.weight_int8, module.packed = packed[id(module.weight_int8)][1], True
+    logger.info("int8 matmul: Tern's VNNI kernel for %d of the int8 matrices", len(packed))
 
 
 def num_parameters(model: nn.Module) -> int:

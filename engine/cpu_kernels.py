@@ -1,0 +1,161 @@
+"""Tern's own CPU kernel (engine/csrc/int8_vnni.cpp): built once per machine with g++, loaded as torch.ops.tern.
+
+The int8 decode matmul is bound by reading weights, and aten's `_weight_int8pack_mm` reads them at about a
+third of this machine's bandwidth. The kernel here reads them in the order it uses them and multiplies int8 by
+int8 (AVX512-VNNI), as llama.cpp does; `engine/quant.py` uses it for decode-sized batches when `available()`.
+
+The shared library is compiled with -march=native, so its cache key includes this CPU's flags as well as the
+source and torch version: a cache folder copied to another machine rebuilds instead of crashing.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "int8_vnni.cpp"
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
+ROWS_PER_GROUP, CHUNK = 4, 64  # the packed layout: [N/4][K/64][4][64]
+
+
+def available() -> bool:
+    return unsupported_reason() is None
+
+
+@functools.cache
+def unsupported_reason() -> str | None:
+    """None once torch.ops.tern.int8_vnni_mm is loaded, else one line saying why it cannot be."""
+    if os.environ.get("TERN_CPU_KERNELS", "1") == "0":
+        return "disabled by TERN_CPU_KERNELS=0"
+    flags = _cpu_flags()
+    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in flags]
+    if platform.machine() not in ("x86_64", "AMD64") or missing:
+        return f"this CPU lacks {', '.join(missing) or 'x86-64'}"
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        return "no C++ compiler (g++) to build it"
+    try:
+        torch.ops.load_library(str(_build(compiler, flags)))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", None) or str(exc)
+        return f"building it failed: {(detail.strip().splitlines() or [''])[-1][:200]}"
+    _register_fake()
+    return None
+
+
+def can_pack(weight_int8: torch.Tensor) -> bool:
+    """Shapes the kernel takes: rows in groups of 4, a row length of whole 64-byte chunks, on the CPU."""
+    rows, cols = weight_int8.shape
+    return weight_int8.device.type == "cpu" and rows % ROWS_PER_GROUP == 0 and cols % CHUNK == 0
+
+
+def pack(weight_int8: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> the kernel's layout: uint8 (w + 128), each group of 4 rows stored chunk by chunk."""
+    rows, cols = weight_int8.shape
+    shifted = (weight_int8.to(torch.int16) + 128).to(torch.uint8)
+    grouped = shifted.reshape(rows // ROWS_PER_GROUP, ROWS_PER_GROUP, cols // CHUNK, CHUNK)
+    return grouped.permute(0, 2, 1, 3).contiguous().reshape(rows, cols)
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack`: int8 [N, K] in row order."""
+    rows, cols = packed.shape
+    grouped = packed.reshape(rows // ROWS_PER_GROUP, cols // CHUNK, ROWS_PER_GROUP, CHUNK).permute(0, 2, 1, 3)
+    return _unshift(grouped.reshape(rows, cols))
+
+
+def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a packed matrix as int8 [*ids.shape, K] (the tied embedding's lookup), without unpacking it."""
+    rows, cols = packed.shape
+    grouped = packed.view(rows // ROWS_PER_GROUP, cols // CHUNK, ROWS_PER_GROUP, CHUNK)
+    picked = grouped[ids // ROWS_PER_GROUP, :, ids % ROWS_PER_GROUP, :]  # [*ids.shape, K/64, 64]
+    return _unshift(picked.reshape(*ids.shape, cols))
+
+
+def int8_vnni_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (bf16/fp32) times the packed int8 weight, times scales [N]: [M, N] in x's dtype."""
+    return torch.ops.tern.int8_vnni_mm(x, packed, scales)
+
+
+def activation_block(cols: int) -> int:
+    """Values per activation scale: the largest of 256, 192, 128 that divides the row, else 64 (as the C++)."""
+    return next((size for size in (256, 192, 128) if cols % size == 0), CHUNK)
+
+
+def int8_vnni_twin(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic in PyTorch, bit for bit: for batches too large for the kernel (prefill, where
+    torch._int_mm's int8 GEMM beats it) and as the reference the tests hold it to. x [M, K]; weight_int8 [N, K]
+    in row order."""
+    rows, cols = x.shape
+    block = activation_block(cols)
+    values = x.float().reshape(rows, cols // block, block)
+    absmax = values.abs().amax(dim=-1)
+    # Tensor by tensor: `127.0 / t` is computed as reciprocal(t) * 127, which rounds twice.
+    limit = torch.full_like(absmax, 127.0)
+    inverse = torch.where(absmax > 0, limit / absmax, torch.zeros_like(absmax))
+    quantized = torch.round(values * inverse.unsqueeze(-1)).to(torch.int8)  # half to even, as the kernel
+    x_scales = absmax / limit
+    acc = torch.zeros(rows, weight_int8.shape[0])
+    for b in range(cols // block):
+        dot = torch._int_mm(quantized[:, b].contiguous(), weight_int8[:, b * block:(b + 1) * block].t())
+        acc = acc + dot.float() * x_scales[:, b:b + 1]
+    return (acc * scales.float()).to(x.dtype)
+
+
+def _unshift(shifted: torch.Tensor) -> torch.Tensor:
+    return (shifted.to(torch.int16) - 128).to(torch.int8)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build(compiler: str, cpu_flags: set[str]) -> Path:
+    """Compile the kernel into the cache once (keyed by source, torch and CPU), atomically."""
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    command = [compiler, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17", "-shared", "-fPIC",
+               f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    command += [f"-I{path}" for path in cpp_extension.include_paths()]
+    links = [f"-L{path}" for path in cpp_extension.library_paths()]
+    links += [f"-Wl,-rpath,{path}" for path in cpp_extension.library_paths()]
+    links += ["-lc10", "-ltorch_cpu", "-ltorch"]
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, " ".join(command + links),
+                                    " ".join(sorted(cpu_flags))]).encode()).hexdigest()[:16]
+    from engine.loader import default_cache_dir  # here: the loader imports quant, which imports this module
+
+    cache = default_cache_dir() / "kernels"
+    library = cache / f"int8_vnni-{key}.so"
+    if library.exists():
+        return library
+    cache.mkdir(parents=True, exist_ok=True)
+    logger.info("building the int8 CPU kernel (once per machine, ~10 s)")
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".build-") as tmp:
+        target = Path(tmp) / library.name
+        subprocess.run([*command, str(SOURCE), "-o", str(target), *links], check=True, capture_output=True, text=True)
+        os.replace(target, library)
+    return library
+
+
+def _register_fake() -> None:
+    """Shapes for torch.compile: the compiled decode step calls the kernel as an opaque op."""
+    @torch.library.register_fake("tern::int8_vnni_mm")
+    def _(x, packed, scales):
+        return x.new_empty(x.shape[0], packed.shape[0])
