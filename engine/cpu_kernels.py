@@ -2,7 +2,8 @@
 
 The int8 decode matmul is bound by reading weights, and aten's `_weight_int8pack_mm` reads them at about a
 third of this machine's bandwidth. The kernel here reads them in the order it uses them and multiplies int8 by
-int8 (AVX512-VNNI), as llama.cpp does; `engine/quant.py` uses it for decode-sized batches when `available()`.
+int8 (AVX512-VNNI), as llama.cpp does; `engine/quant.py` uses it for decode-sized batches when `available()`, and `int8_batch_mm`, which gives the
+same bits, for larger ones.
 
 The shared library is compiled with -march=native, so its cache key includes this CPU's flags as well as the
 source and torch version: a cache folder copied to another machine rebuilds instead of crashing.
@@ -92,10 +93,31 @@ def activation_block(cols: int) -> int:
     return next((size for size in (256, 192, 128) if cols % size == 0), CHUNK)
 
 
-def int8_vnni_twin(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The kernel's arithmetic in PyTorch, bit for bit: for batches too large for the kernel (prefill, where
-    torch._int_mm's int8 GEMM beats it) and as the reference the tests hold it to. x [M, K]; weight_int8 [N, K]
-    in row order."""
+def int8_batch_mm(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What int8_vnni_mm computes, bit for bit, for batches too large for it (prefill): the block dot products
+    from torch._int_mm's int8 GEMM, then the kernel's own float epilogue. x [M, K]; weight_int8 [N, K] rows."""
+    quantized, x_scales = quantize_activations(x)
+    rows, blocks, block = quantized.shape
+    dots = torch.empty(blocks, rows, weight_int8.shape[0], dtype=torch.int32)
+    for b in range(blocks):
+        weight_block = weight_int8[:, b * block:(b + 1) * block].contiguous()  # sliced, _int_mm was 3x slower
+        torch._int_mm(quantized[:, b].contiguous(), weight_block.t(), out=dots[b])
+    return torch.ops.tern.int8_combine_blocks(dots, x_scales, scales, x.dtype)
+
+
+def int8_reference(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic in plain PyTorch (slow: the specification the tests hold both paths to)."""
+    quantized, x_scales = quantize_activations(x)
+    rows, blocks, block = quantized.shape
+    acc = torch.zeros(rows, weight_int8.shape[0])
+    for b in range(blocks):
+        dot = quantized[:, b].long() @ weight_int8[:, b * block:(b + 1) * block].long().t()
+        acc = acc + dot.float() * x_scales[:, b:b + 1]
+    return (acc * scales.float()).to(x.dtype)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8 [M, K/block, block], float32 scales [M, K/block]), rounded as the kernel rounds."""
     rows, cols = x.shape
     block = activation_block(cols)
     values = x.float().reshape(rows, cols // block, block)
@@ -104,12 +126,7 @@ def int8_vnni_twin(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Ten
     limit = torch.full_like(absmax, 127.0)
     inverse = torch.where(absmax > 0, limit / absmax, torch.zeros_like(absmax))
     quantized = torch.round(values * inverse.unsqueeze(-1)).to(torch.int8)  # half to even, as the kernel
-    x_scales = absmax / limit
-    acc = torch.zeros(rows, weight_int8.shape[0])
-    for b in range(cols // block):
-        dot = torch._int_mm(quantized[:, b].contiguous(), weight_int8[:, b * block:(b + 1) * block].t())
-        acc = acc + dot.float() * x_scales[:, b:b + 1]
-    return (acc * scales.float()).to(x.dtype)
+    return quantized, (absmax / limit).contiguous()
 
 
 def _unshift(shifted: torch.Tensor) -> torch.Tensor:
@@ -159,3 +176,7 @@ def _register_fake() -> None:
     @torch.library.register_fake("tern::int8_vnni_mm")
     def _(x, packed, scales):
         return x.new_empty(x.shape[0], packed.shape[0])
+
+    @torch.library.register_fake("tern::int8_combine_blocks")
+    def _(dots, x_scales, scales, out_dtype):
+        return dots.new_empty(dots.shape[1], dots.shape[2], dtype=out_dtype)

@@ -86,11 +86,11 @@ def int8_linear(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor
 
 
 def packed_int8_linear(x, packed, scales, bias=None) -> torch.Tensor:
-    """The VNNI kernel for decode-sized batches; larger ones take its PyTorch twin, which gives the same bits,
-    so a sequence's tokens do not depend on what else shares its step."""
+    """The VNNI kernel for decode-sized batches; larger ones take int8_batch_mm, which gives the same bits, so
+    a sequence's tokens do not depend on what else shares its step."""
     flat = x.reshape(-1, x.shape[-1])
     if flat.shape[0] > INT8_KERNEL_MAX_ROWS:
-        out = cpu_kernels.int8_vnni_twin(flat, cpu_kernels.unpack(packed), scales)
+        out = cpu_kernels.int8_batch_mm(flat, cpu_kernels.unpack(packed), scales)
     else:
         out = cpu_kernels.int8_vnni_mm(flat, packed, scales)
     if bias is not None:

@@ -104,23 +104,34 @@ inline void group(const QuantizedRow* q, int64_t K, int64_t block_chunks, const 
   for (int m = 0; m < MB; ++m) _mm_storeu_ps(out + m * N, _mm_mul_ps(acc[m], w_scale));
 }
 
+// Round to nearest even, as torch's float -> bfloat16 conversion does (finite values).
+inline __m256i to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16));
+}
+
+inline __mmask16 tail_mask(int64_t n, int64_t end) {
+  return n + 16 <= end ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (end - n)) - 1);
+}
+
+inline void store16(void* out, int64_t index, __m512 v, __mmask16 mask, bool bf16) {
+  if (bf16) _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + index, mask, to_bf16(v));
+  else _mm512_mask_storeu_ps(static_cast<float*>(out) + index, mask, v);
+}
+
+inline __m512 load_scales16(const void* base, int64_t index, __mmask16 mask, bool bf16) {
+  if (!bf16) return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(base) + index);
+  const __m256i raw = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(base) + index);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
 void store_rows(const float* src, void* out, int64_t M, int64_t N, int64_t n0, int64_t n1, bool bf16) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* s = src + m * N;
-    if (!bf16) {
-      std::copy(s + n0, s + n1, static_cast<float*>(out) + m * N + n0);
-      continue;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n0; n < n1; n += 16) {
+      const __mmask16 mask = tail_mask(n, n1);
+      store16(out, m * N + n, _mm512_maskz_loadu_ps(mask, src + m * N + n), mask, bf16);
     }
-    uint16_t* o = static_cast<uint16_t*>(out) + m * N;
-    for (int64_t n = n0; n < n1; n += 16) {  // n0, n1 are multiples of 4: mask the tail
-      const __mmask16 mask = n + 16 <= n1 ? 0xFFFF : static_cast<__mmask16>((1u << (n1 - n)) - 1);
-      // Round to nearest even, as torch's float -> bfloat16 conversion does (finite values).
-      const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, s + n));
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-      _mm256_mask_storeu_epi16(o + n, mask, _mm512_cvtepi32_epi16(rounded));
-    }
-  }
 }
 
 // Activations share one scale per block of up to 256 values (as llama.cpp's Q8_K): the largest of 256, 192,
@@ -175,7 +186,45 @@ at::Tensor int8_vnni_mm(const at::Tensor& x, const at::Tensor& w_packed, const a
   return out;
 }
 
+// The float epilogue of int8_vnni_mm for a batch whose block dot products came from elsewhere (torch._int_mm,
+// for prefill): out[m, n] = (sum over blocks, in order, of dots[b, m, n] * x_scales[m, b]) * w_scale[n], with
+// the same roundings as `group`, so a sequence gets the same bits whichever path its step took.
+at::Tensor int8_combine_blocks(const at::Tensor& dots, const at::Tensor& x_scales, const at::Tensor& w_scale,
+                               at::ScalarType out_dtype) {
+  TORCH_CHECK(dots.dim() == 3 && dots.scalar_type() == at::kInt && dots.is_contiguous(), "dots must be int32 [blocks, M, N]");
+  const int64_t blocks = dots.size(0), M = dots.size(1), N = dots.size(2);
+  TORCH_CHECK(x_scales.scalar_type() == at::kFloat && x_scales.is_contiguous() && x_scales.numel() == M * blocks,
+              "x_scales must be float32 [M, blocks]");
+  TORCH_CHECK((w_scale.scalar_type() == at::kFloat || w_scale.scalar_type() == at::kBFloat16) &&
+              w_scale.is_contiguous() && w_scale.numel() == N, "w_scale must be float32 or bfloat16 [N]");
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat, "out_dtype must be bfloat16 or float32");
+  at::Tensor out = at::empty({M, N}, dots.options().dtype(out_dtype));
+  const int32_t* d = dots.data_ptr<int32_t>();
+  const float* xs = x_scales.data_ptr<float>();
+  const bool bf16_scales = w_scale.scalar_type() == at::kBFloat16, bf16_out = out_dtype == at::kBFloat16;
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t n = 0; n < N; n += 16) {
+        const __mmask16 mask = tail_mask(n, N);
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t b = 0; b < blocks; ++b) {
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, d + (b * M + m) * N + n));
+          acc = _mm512_add_ps(acc, _mm512_mul_ps(dot, _mm512_set1_ps(xs[m * blocks + b])));
+        }
+        acc = _mm512_mul_ps(acc, load_scales16(w_scale.data_ptr(), n, mask, bf16_scales));
+        store16(out.data_ptr(), m * N + n, acc, mask, bf16_out);
+      }
+  });
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY(tern, m) { m.def("int8_vnni_mm(Tensor x, Tensor w_packed, Tensor w_scale) -> Tensor"); }
-TORCH_LIBRARY_IMPL(tern, CPU, m) { m.impl("int8_vnni_mm", &int8_vnni_mm); }
+TORCH_LIBRARY(tern, m) {
+  m.def("int8_vnni_mm(Tensor x, Tensor w_packed, Tensor w_scale) -> Tensor");
+  m.def("int8_combine_blocks(Tensor dots, Tensor x_scales, Tensor w_scale, ScalarType out_dtype) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(tern, CPU, m) {
+  m.impl("int8_vnni_mm", &int8_vnni_mm);
+  m.impl("int8_combine_blocks", &int8_combine_blocks);
+}

@@ -1,4 +1,4 @@
-"""Tern's int8 VNNI kernel (engine/cpu_kernels.py): its packed layout, its PyTorch twin bit for bit, its error
+"""Tern's int8 VNNI kernel (engine/cpu_kernels.py): its packed layout, its PyTorch reference bit for bit, its error
 against the float matmul, its place in the compiled step, and what it means for an engine's tokens."""
 from __future__ import annotations
 
@@ -39,14 +39,16 @@ def test_activation_block_is_the_largest_that_divides_the_row():
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 32])
-def test_kernel_equals_its_pytorch_twin_bit_for_bit(dtype, rows):
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 32, 40])
+def test_kernel_and_the_batch_path_equal_the_pytorch_reference_bit_for_bit(dtype, rows):
     for n, k in SHAPES:
         x, weight, scales = _case(rows, n, k, dtype, seed=rows)
         x[0, :64] = 0  # a block of zeros has no scale to divide by
+        expected = cpu_kernels.int8_reference(x, weight, scales)
         out = cpu_kernels.int8_vnni_mm(x, cpu_kernels.pack(weight), scales)
         assert out.dtype == dtype and out.shape == (rows, n)
-        assert torch.equal(out, cpu_kernels.int8_vnni_twin(x, weight, scales)), (n, k)
+        assert torch.equal(out, expected), (n, k)
+        assert torch.equal(cpu_kernels.int8_batch_mm(x, weight, scales), expected), (n, k)
 
 
 @needs_kernel
@@ -83,7 +85,7 @@ def test_int8_engine_packs_its_matrices_and_a_decode_does_not_depend_on_its_neig
         prompt, long_prompt = list(range(5, 15)), list(range(100, 160))
         [alone] = engine.generate([prompt], params)
         # The long prompt joins mid-decode: its prefill (60 rows, past the kernel's limit) shares steps with
-        # the decode, which then runs through the PyTorch twin instead of the kernel.
+        # the decode, which then runs through int8_batch_mm instead of the kernel.
         stream = engine.submit(prompt, params)
         outputs = [next(stream)]
         other = engine.submit(long_prompt, params)
