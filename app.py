@@ -76,8 +76,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=env("TERN_COMPILE", "1").lower() in ("1", "true", "yes"),
-        help="torch.compile the decode step (CPU, none/int8 weights): about 1.8x faster int8 single stream, "
+        help="torch.compile the decode step (none/int8 weights): about 1.8x faster int8 single stream on CPU, "
         "a few minutes of compiling on the first start, cached after; --no-compile starts in seconds (TERN_COMPILE)",
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=env("TERN_CUDA_GRAPHS", "1").lower() in ("1", "true", "yes"),
+        help="on CUDA, replay decode steps from captured CUDA graphs (TERN_CUDA_GRAPHS)",
     )
     parser.add_argument("--api-key", default=env("TERN_API_KEY"), help="require this bearer key on /v1 (TERN_API_KEY)")
     parser.add_argument(
@@ -101,6 +107,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting,
         compile=args.compile,
+        cuda_graphs=args.cuda_graphs,
         cache_dir=args.cache_dir,
     )
     return server, engine_config, args.prepare_only

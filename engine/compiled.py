@@ -5,6 +5,8 @@ compiled, the default model's int8 single stream went from 27 to 49 tok/s on a 2
 (every sequence adds one token, the steady state of serving) run compiled. Prefill and mixed steps run the
 eager model, the compiled step's twin, which the tests compare it against token for token.
 
+On CUDA the compiled step is what engine/cuda_graphs.py captures, one graph per (batch, context) bucket.
+
 Sizes that change every step (number of sequences, context length) are marked dynamic, so one graph serves
 every step of a regime. Torch still specializes a size of 1, and the int8 kernel choice depends on the batch
 size, so warm-up compiles each regime once before the first request rather than in the middle of one.
@@ -27,11 +29,11 @@ def unsupported_reason(is_native: bool, device: torch.device, quantization: str)
     """None when the decode step can be compiled here, else why not (the engine then runs eager)."""
     if not is_native:
         return "the generic transformers path runs eager"
-    if device.type != "cpu":
-        return f"compiled decode is verified on CPU only; {device.type} runs eager"
+    if device.type not in ("cpu", "cuda"):
+        return f"compiled decode is verified on CPU and CUDA only; {device.type} runs eager"
     if quantization not in COMPILABLE_QUANTIZATIONS:
         return f"--quantization {quantization} layers do not trace; they run eager"
-    if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
+    if device.type == "cpu" and not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
         return "no C++ compiler (g++) for torch's CPU code generator"
     return None
 

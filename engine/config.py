@@ -18,7 +18,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own max_position_embeddings
     max_num_seqs: int = 64  # sequences decoded together in one step
     max_num_batched_tokens: int = 2048  # tokens in one forward; longer prompts are prefilled in chunks
-    compile: bool = False  # torch.compile the decode step (CPU, native path, none/int8); prefill stays eager
+    compile: bool = False  # torch.compile the decode step (native path, none/int8); prefill stays eager
+    cuda_graphs: bool = True  # on CUDA (native path), decode steps replay captured graphs; see engine/cuda_graphs.py
     enable_prefix_caching: bool = True  # reuse cached KV blocks of a shared prompt prefix (native path)
     max_waiting: int = 256  # queued sequences beyond which submit() refuses (backpressure)
     block_size: int = 16  # tokens per KV-cache block

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import compiled, loader
+from engine import compiled, cuda_graphs, loader
 from engine.config import EngineConfig
 from engine.errors import ContextLengthExceededError, InvalidRequestError, QueueFullError
 from engine.kv_cache import BlockAllocator, KVCache, blocks_needed
@@ -114,6 +114,7 @@ class Engine:
             pad_id = self.loaded.tokenizer.pad_token_id or 0
             self.runner = RecomputeRunner(model, self.device, pad_id)
         self.max_model_len = max_model_len
+        self._capture_decode_graphs()
         self._warm_up_compiled_decode()
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(
@@ -150,6 +151,30 @@ class Engine:
             logger.warning("not compiling the decode step: %s", reason)
             return None
         return compiled.compile_forward(model)
+
+    def _capture_decode_graphs(self) -> None:
+        if self.device.type == "cuda":
+            # cuDNN's SDPA (PyTorch's first choice on Hopper) builds a plan per new sequence length, ~0.2 s each:
+            # every prompt of a new length would pay it. Flash and memory-efficient attention do not.
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        if not (self.config.cuda_graphs and self.loaded.is_native and self.device.type == "cuda"):
+            return
+        if self.loaded.quantization not in cuda_graphs.CAPTURABLE_QUANTIZATIONS:
+            logger.info("decode steps run eager: --quantization %s layers are not captured in CUDA graphs",
+                        self.loaded.quantization)
+            return
+        try:
+            self.runner.use_decode_graphs(self.config.max_num_seqs, self.max_model_len, capture=True)
+        except Exception as exc:  # e.g. a layer that syncs with the host (bnb-int8's outlier split): eager works
+            logger.warning("capturing the decode step in CUDA graphs failed, running eager: %s: %s",
+                           type(exc).__name__, exc)
+            self.runner.graphs = None
+            torch.cuda.synchronize()
+
+    @property
+    def decode_graphs(self) -> bool:
+        """Whether decode steps replay captured CUDA graphs."""
+        return getattr(self.runner, "graphs", None) is not None
 
     def _warm_up_compiled_decode(self) -> None:
         try:

@@ -95,11 +95,13 @@ class KVCache:
 
     Every layer's tensors have their own storage and no block dimension: the compiled decode step writes them
     in place, and graph inputs that alias one storage, or writes through a view, made torch.compile copy the
-    whole cache at every step.
+    whole cache at every step. One extra row past the last block, the scratch slot, belongs to no sequence:
+    padding rows of a CUDA-graph decode step write their K/V there.
     """
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device) -> None:
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.scratch_slot = num_blocks * block_size
+        shape = (num_blocks * block_size + 1, num_kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_blocks = num_blocks

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import compiled
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.models.attention import AttentionGroup, AttentionMetadata
 from engine.scheduler import ScheduledBatch
@@ -25,6 +26,7 @@ class ModelRunner:
     """Runs the native model against the paged KV cache. Owns nothing but scratch; called from one thread."""
 
     def __init__(self, model, kv_cache: KVCache, device: torch.device, compiled_forward=None) -> None:
+        self.graphs: DecodeGraphs | None = None  # replays decode steps on CUDA when set; see engine/cuda_graphs.py
         self.model = model
         self.kv_cache = kv_cache
         self.kv_layers = kv_cache.layers()
@@ -34,6 +36,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, samples: list[bool], wants_prompt: list[bool]) -> StepLogits:
+        if self.graphs is not None and not any(wants_prompt) and all(n == 1 for n in batch.num_new_tokens):
+            positions = [seq.num_computed_tokens for seq in batch.seqs]
+            if self.graphs.covers(len(positions), max(positions) + 1):
+                token_ids = [seq.token_ids[p] for seq, p in zip(batch.seqs, positions)]
+                logits = self.graphs.run(token_ids, positions, [seq.block_table for seq in batch.seqs])
+                if not all(samples):
+                    logits = logits[[i for i, s in enumerate(samples) if s]]
+                return StepLogits(logits, {})
         input_ids, positions, meta = self._prepare(batch)
         forward = self.model.forward
         if self.compiled_forward is not None and len(meta.groups) == 1 and meta.groups[0].is_decode:
@@ -42,10 +52,20 @@ class ModelRunner:
         hidden = forward(input_ids, positions, self.kv_layers, meta)
         return _select_logits(self.model, hidden, batch, samples, wants_prompt)
 
+    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
+        """Decode steps from now on run padded to buckets, replayed from CUDA graphs when capture is set (the
+        compiled forward is what gets captured, when there is one)."""
+        forward = self.model.forward
+        if self.compiled_forward is not None:
+            forward = _marked_dynamic(self.compiled_forward)
+        self.graphs = DecodeGraphs(forward, self.model, self.kv_cache, max_num_seqs, max_model_len, capture)
+        if capture:
+            self.graphs.capture_all()
+
     def warmup(self, max_num_seqs: int) -> None:
         """Compile the decode step for every batch-size regime now, so no request waits on the compiler (a no-op
-        when running eager)."""
-        if self.compiled_forward is None:
+        when running eager, or when CUDA graphs capture the step)."""
+        if self.compiled_forward is None or self.graphs is not None:
             return
         started = time.monotonic()
         sizes = compiled.warmup_batch_sizes(max_num_seqs)
@@ -121,6 +141,16 @@ class ModelRunner:
             attn_mask = (key_pos[None, None] <= query_pos[:, :, None]) & (key_pos[None, None] < context_lens[:, None, None])
             attn_mask = attn_mask[:, None]  # [B, 1, Q, L]
         return AttentionGroup(query_index, output_index, context_slots, attn_mask, is_causal, is_decode, rows)
+
+
+def _marked_dynamic(compiled_forward):
+    """The compiled forward, told that batch and context sizes vary, so the buckets share one traced graph."""
+
+    def forward(input_ids, positions, kv_layers, meta):
+        compiled.mark_dynamic(input_ids, positions, meta)
+        return compiled_forward(input_ids, positions, kv_layers, meta)
+
+    return forward
 
 
 def _select_logits(model, hidden, batch: ScheduledBatch, samples, wants_prompt) -> StepLogits:

@@ -39,12 +39,17 @@ def model_facts(handle: EngineHandle) -> list[list[str]]:
         ["Dtype", _dtype(engine)],
         ["Quantization", engine.loaded.describe_weights()],
         ["Device", str(engine.device)],
-        ["Decode step", "compiled (torch.compile)" if engine.compiled_decode else "eager"],
+        ["Decode step", _decode_step(engine)],
         ["Memory", f"{format_bytes(weight_bytes + kv_bytes)} ({format_bytes(weight_bytes)} weights + "
                    f"{format_bytes(kv_bytes)} KV cache)"],
         ["Max context", f"{engine.max_model_len:,} tokens"],
         ["Max concurrent sequences", str(engine.config.max_num_seqs)],
     ]
+
+
+def _decode_step(engine) -> str:
+    kind = "compiled (torch.compile)" if engine.compiled_decode else "eager"
+    return f"{kind}, replayed from CUDA graphs" if engine.decode_graphs else kind
 
 
 def live_stats(handle: EngineHandle) -> list[list[str]]:

@@ -7,6 +7,10 @@ import torch
 import torch.nn.functional as F
 
 
+# Devices whose decode steps attend in plain matmuls rather than SDPA (see _decode_attention_matmul).
+MATMUL_DECODE_DEVICES = ("cpu", "cuda")
+
+
 @dataclass
 class AttentionGroup:
     """Sequences attended together on a padded view: B sequences x Q query positions x L context positions.
@@ -65,8 +69,8 @@ def _attend(q, k_flat, v_flat, group: AttentionGroup, scale: float) -> torch.Ten
     num_heads = q.shape[1]
     if group.is_decode:
         q_rows = q if group.rows is None else q.index_select(0, group.rows)  # [B, H, D]
-        if q.device.type == "cpu":
-            return _decode_attention_cpu(q_rows, keys, values, group.attn_mask, scale)
+        if q.device.type in MATMUL_DECODE_DEVICES:
+            return _decode_attention_matmul(q_rows, keys, values, group.attn_mask, scale)
         queries = q_rows.unsqueeze(2)  # [B, H, 1, D]
     else:
         num_queries = group.query_index.shape[1]
@@ -86,7 +90,7 @@ def _attend(q, k_flat, v_flat, group: AttentionGroup, scale: float) -> torch.Ten
     return out if group.is_decode else out.index_select(0, group.output_index)
 
 
-def _decode_attention_cpu(q, keys, values, attn_mask, scale: float) -> torch.Tensor:
+def _decode_attention_matmul(q, keys, values, attn_mask, scale: float) -> torch.Tensor:
     """One query per sequence, in plain matmuls: on CPU this is several times faster than SDPA's flash kernel,
     which is tuned for long queries. Softmax in fp32, as SDPA does."""
     batch, num_heads, head_dim = q.shape
