@@ -93,16 +93,27 @@ def activation_block(cols: int) -> int:
     return next((size for size in (256, 192, 128) if cols % size == 0), CHUNK)
 
 
-def int8_batch_mm(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """What int8_vnni_mm computes, bit for bit, for batches too large for it (prefill): the block dot products
-    from torch._int_mm's int8 GEMM, then the kernel's own float epilogue. x [M, K]; weight_int8 [N, K] rows."""
-    quantized, x_scales = quantize_activations(x)
-    rows, blocks, block = quantized.shape
-    dots = torch.empty(blocks, rows, weight_int8.shape[0], dtype=torch.int32)
+def int8_batch_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What int8_vnni_mm computes, bit for bit, for batches too large for it (prefill): the kernel's own
+    activation quantization, the block dot products from torch._int_mm's int8 GEMM, then the kernel's own float
+    epilogue. x [M, K]; packed as `pack` makes it."""
+    quantized, x_scales = torch.ops.tern.quantize_activations(x)  # [blocks, M, block], [M, blocks]
+    blocks, rows, block = quantized.shape
+    weight_blocks = unpack_blocks(packed, block)
+    dots = torch.empty(blocks, rows, packed.shape[0], dtype=torch.int32)
     for b in range(blocks):
-        weight_block = weight_int8[:, b * block:(b + 1) * block].contiguous()  # sliced, _int_mm was 3x slower
-        torch._int_mm(quantized[:, b].contiguous(), weight_block.t(), out=dots[b])
+        torch._int_mm(quantized[b], weight_blocks[b].t(), out=dots[b])  # contiguous blocks: _int_mm's fast case
     return torch.ops.tern.int8_combine_blocks(dots, x_scales, scales, x.dtype)
+
+
+def unpack_blocks(packed: torch.Tensor, block: int) -> torch.Tensor:
+    """The packed weight as int8 [K/block, N, block]: column block b of the [N, K] matrix is [b] (contiguous)."""
+    rows, cols = packed.shape
+    grouped = packed.view(rows // ROWS_PER_GROUP, cols // block, block // CHUNK, ROWS_PER_GROUP, CHUNK)
+    # A copy, never a view: with one block the permuted view is the weight itself, which the xor would change.
+    blocks = grouped.permute(1, 0, 3, 2, 4).clone(memory_format=torch.contiguous_format)
+    blocks = blocks.bitwise_xor_(0x80).view(cols // block, rows, block)  # stored as w + 128: the top bit flipped
+    return blocks.view(torch.int8)
 
 
 def int8_reference(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -130,7 +141,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _unshift(shifted: torch.Tensor) -> torch.Tensor:
-    return (shifted.to(torch.int16) - 128).to(torch.int8)
+    return (shifted ^ 0x80).view(torch.int8)  # stored as w + 128 (mod 256): flipping the top bit gives w
 
 
 def _cpu_flags() -> set[str]:
@@ -176,6 +187,13 @@ def _register_fake() -> None:
     @torch.library.register_fake("tern::int8_vnni_mm")
     def _(x, packed, scales):
         return x.new_empty(x.shape[0], packed.shape[0])
+
+    @torch.library.register_fake("tern::quantize_activations")
+    def _(x):
+        rows, cols = x.shape
+        block = activation_block(cols)
+        return (x.new_empty(cols // block, rows, block, dtype=torch.int8),
+                x.new_empty(rows, cols // block, dtype=torch.float32))
 
     @torch.library.register_fake("tern::int8_combine_blocks")
     def _(dots, x_scales, scales, out_dtype):

@@ -90,7 +90,7 @@ def packed_int8_linear(x, packed, scales, bias=None) -> torch.Tensor:
     a sequence's tokens do not depend on what else shares its step."""
     flat = x.reshape(-1, x.shape[-1])
     if flat.shape[0] > INT8_KERNEL_MAX_ROWS:
-        out = cpu_kernels.int8_batch_mm(flat, cpu_kernels.unpack(packed), scales)
+        out = cpu_kernels.int8_batch_mm(flat, packed, scales)
     else:
         out = cpu_kernels.int8_vnni_mm(flat, packed, scales)
     if bias is not None:

@@ -18,6 +18,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <tuple>
 #include <vector>
 
 #if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__)
@@ -218,13 +219,48 @@ at::Tensor int8_combine_blocks(const at::Tensor& dots, const at::Tensor& x_scale
   return out;
 }
 
+// The activations of a prefill-sized batch, quantized as quantize_row does (same absmax, scale and rounding),
+// laid out block-major for torch._int_mm: values int8 [blocks, M, block], scales float32 [M, blocks].
+std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "quantize_activations: x must be bfloat16 or float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kChunk == 0, "quantize_activations: K must be a multiple of 64");
+  const int64_t block = activation_block_chunks(K) * kChunk, blocks = K / block;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const at::Tensor xc = x.contiguous();
+  at::Tensor values = at::empty({blocks, M, block}, x.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({M, blocks}, x.options().dtype(at::kFloat));
+  int8_t* v = values.data_ptr<int8_t>();
+  float* sc = scales.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t base = m * K + b * block;
+        __m512 amax = _mm512_setzero_ps();
+        for (int64_t i = 0; i < block; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_floats(xc.data_ptr(), base + i, bf16)));
+        const float absmax = _mm512_reduce_max_ps(amax);
+        const __m512 inv = _mm512_set1_ps(absmax > 0.f ? 127.f / absmax : 0.f);
+        int8_t* out = v + (b * M + m) * block;
+        for (int64_t i = 0; i < block; i += 16) {
+          const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(load_floats(xc.data_ptr(), base + i, bf16), inv));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(qi));
+        }
+        sc[m * blocks + b] = absmax / 127.f;
+      }
+  });
+  return {values, scales};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tern, m) {
   m.def("int8_vnni_mm(Tensor x, Tensor w_packed, Tensor w_scale) -> Tensor");
   m.def("int8_combine_blocks(Tensor dots, Tensor x_scales, Tensor w_scale, ScalarType out_dtype) -> Tensor");
+  m.def("quantize_activations(Tensor x) -> (Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(tern, CPU, m) {
   m.impl("int8_vnni_mm", &int8_vnni_mm);
   m.impl("int8_combine_blocks", &int8_combine_blocks);
+  m.impl("quantize_activations", &quantize_activations);
 }

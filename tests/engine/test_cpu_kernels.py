@@ -31,6 +31,13 @@ def test_pack_round_trips_and_rows_read_from_the_packed_layout():
     assert torch.equal(cpu_kernels.unpack(packed), weight)
     ids = torch.tensor([[0, 5, 11], [3, 3, 7]])
     assert torch.equal(cpu_kernels.packed_rows(packed, ids), weight[ids])
+    for block, k in ((64, 192), (192, 192), (64, 64)):  # one block of 64: the permuted view is the packed tensor
+        weight = torch.randint(-127, 128, (12, k), dtype=torch.int8)
+        packed = cpu_kernels.pack(weight)
+        before = packed.clone()
+        expected = torch.stack(weight.split(block, dim=1))  # [K/block, N, block]
+        assert torch.equal(cpu_kernels.unpack_blocks(packed, block), expected)
+        assert torch.equal(packed, before)
 
 
 def test_activation_block_is_the_largest_that_divides_the_row():
@@ -45,10 +52,11 @@ def test_kernel_and_the_batch_path_equal_the_pytorch_reference_bit_for_bit(dtype
         x, weight, scales = _case(rows, n, k, dtype, seed=rows)
         x[0, :64] = 0  # a block of zeros has no scale to divide by
         expected = cpu_kernels.int8_reference(x, weight, scales)
-        out = cpu_kernels.int8_vnni_mm(x, cpu_kernels.pack(weight), scales)
+        packed = cpu_kernels.pack(weight)
+        out = cpu_kernels.int8_vnni_mm(x, packed, scales)
         assert out.dtype == dtype and out.shape == (rows, n)
         assert torch.equal(out, expected), (n, k)
-        assert torch.equal(cpu_kernels.int8_batch_mm(x, weight, scales), expected), (n, k)
+        assert torch.equal(cpu_kernels.int8_batch_mm(x, packed, scales), expected), (n, k)
 
 
 @needs_kernel
