@@ -2,8 +2,8 @@
 
 The int8 decode matmul is bound by reading weights, and aten's `_weight_int8pack_mm` reads them at about a
 third of this machine's bandwidth. The kernel here reads them in the order it uses them and multiplies int8 by
-int8 (AVX512-VNNI), as llama.cpp does; `engine/quant.py` uses it for decode-sized batches when `available()`, and `int8_batch_mm`, which gives the
-same bits, for larger ones.
+int8 (AVX512-VNNI), as llama.cpp does. `engine/quant.py` uses it for decode-sized batches when `available()`,
+and `int8_batch_mm`, which gives the same bits, for larger ones.
 
 The shared library is compiled with -march=native, so its cache key includes this CPU's flags as well as the
 source and torch version: a cache folder copied to another machine rebuilds instead of crashing.

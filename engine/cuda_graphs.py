@@ -54,8 +54,8 @@ def _bucket(sizes: list[int], value: int) -> int | None:
 
 @dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph | None  # None when not captured (CPU): the step runs as it is
-    logits: torch.Tensor | None  # the graph's output buffer, [batch bucket, V] float32
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # the graph's output buffer, [batch bucket, V] float32
 
 
 class DecodeGraphs:
@@ -101,9 +101,9 @@ class DecodeGraphs:
         batch = _bucket(self.batch_sizes, num_seqs)
         context = _bucket(self.context_sizes, max_context)
         self._fill(token_ids, positions, block_tables, batch, context)
-        captured = self._get(batch, context)
-        if captured.graph is None:
+        if not self.capture:
             return self._step(batch, context)[:num_seqs]
+        captured = self._get(batch, context)
         captured.graph.replay()
         # A copy: the graphs share one memory pool, so the next replay of another bucket may overwrite this one.
         return captured.logits[:num_seqs].clone()
@@ -136,7 +136,7 @@ class DecodeGraphs:
     def _get(self, batch: int, context: int) -> _Captured:
         key = (batch, context)
         if key not in self._captured:
-            self._captured[key] = self._capture(batch, context) if self.capture else _Captured(None, None)
+            self._captured[key] = self._capture(batch, context)
         return self._captured[key]
 
     @torch.inference_mode()

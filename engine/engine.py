@@ -88,6 +88,10 @@ class Engine:
         self.loaded = loaded or loader.load(self.config)
         model, hf_config = self.loaded.model, self.loaded.hf_config
         self.device, self.dtype = self.loaded.device, self.loaded.dtype
+        if self.device.type == "cuda":
+            # cuDNN's SDPA (PyTorch's first choice on Hopper) builds a plan per new sequence length, ~0.2 s each:
+            # every prompt of a new length would pay it. Flash and memory-efficient attention do not.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.model_name = self.loaded.name
         generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.tokenizer = TokenizerView(self.loaded.tokenizer, generation_eos or hf_config.eos_token_id)
@@ -153,10 +157,6 @@ class Engine:
         return compiled.compile_forward(model)
 
     def _capture_decode_graphs(self) -> None:
-        if self.device.type == "cuda":
-            # cuDNN's SDPA (PyTorch's first choice on Hopper) builds a plan per new sequence length, ~0.2 s each:
-            # every prompt of a new length would pay it. Flash and memory-efficient attention do not.
-            torch.backends.cuda.enable_cudnn_sdp(False)
         if not (self.config.cuda_graphs and self.loaded.is_native and self.device.type == "cuda"):
             return
         if self.loaded.quantization not in cuda_graphs.CAPTURABLE_QUANTIZATIONS:

@@ -3,8 +3,9 @@
 Modes (EngineConfig.quantization):
 - `int8`: int8 weights, one fp scale per output channel. On CPUs with AVX512-VNNI, decode-sized batches go
   through Tern's kernel (engine/cpu_kernels.py), which reads a packed copy of the weight and quantizes the
-  activations to int8 per block (as llama.cpp does); elsewhere through `aten._weight_int8pack_mm` with bf16
-  activations. Larger batches (prefill) dequantize and run one matmul.
+  activations to int8 per block (as llama.cpp does), and larger batches (prefill) get the same bits from
+  `cpu_kernels.int8_batch_mm`; elsewhere decode-sized batches go through `aten._weight_int8pack_mm` with bf16
+  activations, and larger ones dequantize and run one matmul.
   The embedding is quantized too (per row), and a tied lm_head shares that int8 matrix: on SmolLM2 the tied
   49152x576 matrix is 21% of the parameters, and leaving it in bf16 would keep the weights at ~61% of bf16.
 - `bnb-int8` (LLM.int8(), outlier threshold 6.0), `bnb-nf4`, `bnb-fp4` (blocksize 64, compute dtype = the
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 BNB_MODES = {"bnb-int8": "int8", "bnb-nf4": "nf4", "bnb-fp4": "fp4"}
 MODES = ("none", "int8", *BNB_MODES)
 BNB_INT8_THRESHOLD = 6.0  # transformers' BitsAndBytesConfig default (llm_int8_threshold)
-INT8_KERNEL_MAX_ROWS = 32  # above this many rows, dequantize + one matmul was faster here (prefill)
+INT8_KERNEL_MAX_ROWS = 32  # above this many rows (prefill), a GEMM beats the decode kernels
 
 
 class Int8Linear(nn.Module):

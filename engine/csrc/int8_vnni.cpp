@@ -44,6 +44,20 @@ inline __m512 load_floats(const void* base, int64_t index, bool bf16) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// One block of `block` activations from x[base...], quantized to out[0..block) (scale = absmax / 127, rounded to
+// nearest even as torch.round does: cvtps_epi32 in the default MXCSR mode). Returns the block's absmax.
+inline float quantize_block(const void* x, int64_t base, int64_t block, bool bf16, int8_t* out) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < block; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_floats(x, base + i, bf16)));
+  const float absmax = _mm512_reduce_max_ps(amax);
+  const __m512 inv = _mm512_set1_ps(absmax > 0.f ? 127.f / absmax : 0.f);
+  for (int64_t i = 0; i < block; i += 16) {
+    const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(load_floats(x, base + i, bf16), inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(qi));
+  }
+  return absmax;
+}
+
 void quantize_row(const void* x, int64_t row, int64_t K, int64_t block_chunks, bool bf16, QuantizedRow& q) {
   const int64_t block = block_chunks * kChunk, blocks = K / block;
   q.values.resize(K);
@@ -51,16 +65,7 @@ void quantize_row(const void* x, int64_t row, int64_t K, int64_t block_chunks, b
   q.scales.resize(blocks);
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(128));
   for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t base = row * K + b * block;
-    __m512 amax = _mm512_setzero_ps();
-    for (int64_t i = 0; i < block; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_floats(x, base + i, bf16)));
-    const float absmax = _mm512_reduce_max_ps(amax);
-    const __m512 inv = _mm512_set1_ps(absmax > 0.f ? 127.f / absmax : 0.f);
-    for (int64_t i = 0; i < block; i += 16) {
-      // cvtps_epi32 rounds to nearest even (the default MXCSR mode), like torch.round.
-      const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(load_floats(x, base + i, bf16), inv));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.values.data() + b * block + i), _mm512_cvtepi32_epi8(qi));
-    }
+    const float absmax = quantize_block(x, row * K + b * block, block, bf16, q.values.data() + b * block);
     __m512i sums = _mm512_setzero_si512();  // 128 * sum of each lane's values
     for (int64_t i = 0; i < block; i += kChunk)
       sums = _mm512_dpbusd_epi32(sums, bias, _mm512_loadu_si512(q.values.data() + b * block + i));
@@ -78,7 +83,7 @@ inline __m128i reduce4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
 
 // out[m, n..n+3] for MB activation rows against one packed group of 4 weight rows. Each block's dot product is
 // an exact integer; the float steps after it (acc += dot * x_scale, one block after another, then * w_scale,
-// no fused multiply-add) are the ones quant.blockwise_int8_linear takes, so the two agree bit for bit.
+// no fused multiply-add) are the ones cpu_kernels.int8_reference takes, so the two agree bit for bit.
 template <int MB>
 inline void group(const QuantizedRow* q, int64_t K, int64_t block_chunks, const uint8_t* w, __m128 w_scale,
                   float* out, int64_t N) {
@@ -219,7 +224,7 @@ at::Tensor int8_combine_blocks(const at::Tensor& dots, const at::Tensor& x_scale
   return out;
 }
 
-// The activations of a prefill-sized batch, quantized as quantize_row does (same absmax, scale and rounding),
+// The activations of a prefill-sized batch, quantized block by block as quantize_row does,
 // laid out block-major for torch._int_mm: values int8 [blocks, M, block], scales float32 [M, blocks].
 std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
@@ -235,19 +240,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
   float* sc = scales.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t base = m * K + b * block;
-        __m512 amax = _mm512_setzero_ps();
-        for (int64_t i = 0; i < block; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_floats(xc.data_ptr(), base + i, bf16)));
-        const float absmax = _mm512_reduce_max_ps(amax);
-        const __m512 inv = _mm512_set1_ps(absmax > 0.f ? 127.f / absmax : 0.f);
-        int8_t* out = v + (b * M + m) * block;
-        for (int64_t i = 0; i < block; i += 16) {
-          const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(load_floats(xc.data_ptr(), base + i, bf16), inv));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(qi));
-        }
-        sc[m * blocks + b] = absmax / 127.f;
-      }
+      for (int64_t b = 0; b < blocks; ++b)
+        sc[m * blocks + b] = quantize_block(xc.data_ptr(), m * K + b * block, block, bf16, v + (b * M + m) * block) / 127.f;
   });
   return {values, scales};
 }
