@@ -1,9 +1,11 @@
-"""Tern's own CPU kernel (engine/csrc/int8_vnni.cpp): built once per machine with g++, loaded as torch.ops.tern.
+"""Tern's own CPU kernels (engine/csrc/*.cpp): built once per machine with g++, loaded as torch.ops.tern.
 
-The int8 decode matmul is bound by reading weights, and aten's `_weight_int8pack_mm` reads them at about a
-third of this machine's bandwidth. The kernel here reads them in the order it uses them and multiplies int8 by
-int8 (AVX512-VNNI), as llama.cpp does. `engine/quant.py` uses it for decode-sized batches when `available()`,
-and `int8_batch_mm`, which gives the same bits, for larger ones.
+Decode matmuls are bound by reading weights, and aten reads them at a third (`_weight_int8pack_mm`) to a half
+(bf16 matmul) of this machine's bandwidth. The kernels here read them in the order they use them, each group of
+4 rows stored chunk by chunk (`pack_rows`), and multiply with AVX512-VNNI (int8 x int8, as llama.cpp does) or
+AVX512-BF16. `engine/quant.py` uses them: the int8 kernel for decode-sized batches when `available()`, and
+`int8_batch_mm`, which gives the same bits, for larger ones; the bf16 kernel for every batch size when
+`bf16_available()`.
 
 The shared library is compiled with -march=native, so its cache key includes this CPU's flags as well as the
 source and torch version: a cache folder copied to another machine rebuilds instead of crashing.
@@ -24,9 +26,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "int8_vnni.cpp"
+SOURCES = (Path(__file__).parent / "csrc" / "int8_vnni.cpp", Path(__file__).parent / "csrc" / "bf16_gemm.cpp")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
-ROWS_PER_GROUP, CHUNK = 4, 64  # the packed layout: [N/4][K/64][4][64]
+BF16_CPU_FLAG = "avx512_bf16"  # bf16_gemm.cpp registers its op only where the compiler targets it
+ROWS_PER_GROUP, CHUNK_BYTES = 4, 64  # the packed layout: [N/4][K/chunk][4][chunk], one zmm register per chunk
+CHUNK = CHUNK_BYTES  # int8 values per chunk
 
 
 def available() -> bool:
@@ -54,33 +58,62 @@ def unsupported_reason() -> str | None:
     return None
 
 
-def can_pack(weight_int8: torch.Tensor) -> bool:
-    """Shapes the kernel takes: rows in groups of 4, a row length of whole 64-byte chunks, on the CPU."""
-    rows, cols = weight_int8.shape
-    return weight_int8.device.type == "cpu" and rows % ROWS_PER_GROUP == 0 and cols % CHUNK == 0
+@functools.cache
+def bf16_available() -> bool:
+    """Whether torch.ops.tern.bf16_packed_mm is loaded (the int8 kernel's library, on a CPU with AVX512-BF16)."""
+    return available() and BF16_CPU_FLAG in _cpu_flags() and hasattr(torch.ops.tern, "bf16_packed_mm")
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Shapes the kernels take: rows in groups of 4, a row length of whole 64-byte chunks, on the CPU."""
+    rows, cols = weight.shape
+    return weight.device.type == "cpu" and rows % ROWS_PER_GROUP == 0 and cols % _chunk(weight) == 0
+
+
+def pack_rows(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> the kernels' layout, same dtype and shape: each group of 4 rows stored 64-byte chunk by chunk."""
+    rows, cols = weight.shape
+    chunk = _chunk(weight)
+    grouped = weight.reshape(rows // ROWS_PER_GROUP, ROWS_PER_GROUP, cols // chunk, chunk)
+    return grouped.permute(0, 2, 1, 3).contiguous().reshape(rows, cols)
+
+
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_rows`: [N, K] in row order."""
+    rows, cols = packed.shape
+    chunk = _chunk(packed)
+    grouped = packed.reshape(rows // ROWS_PER_GROUP, cols // chunk, ROWS_PER_GROUP, chunk).permute(0, 2, 1, 3)
+    return grouped.reshape(rows, cols)
 
 
 def pack(weight_int8: torch.Tensor) -> torch.Tensor:
-    """int8 [N, K] -> the kernel's layout: uint8 (w + 128), each group of 4 rows stored chunk by chunk."""
-    rows, cols = weight_int8.shape
-    shifted = (weight_int8.to(torch.int16) + 128).to(torch.uint8)
-    grouped = shifted.reshape(rows // ROWS_PER_GROUP, ROWS_PER_GROUP, cols // CHUNK, CHUNK)
-    return grouped.permute(0, 2, 1, 3).contiguous().reshape(rows, cols)
+    """int8 [N, K] -> the VNNI kernel's layout: uint8 (w + 128), as `pack_rows` orders it."""
+    return pack_rows((weight_int8.to(torch.int16) + 128).to(torch.uint8))
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of `pack`: int8 [N, K] in row order."""
+    return _unshift(unpack_rows(packed))
+
+
+def gather_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a `pack_rows` matrix as [*ids.shape, K] (a tied embedding's lookup), without unpacking it."""
     rows, cols = packed.shape
-    grouped = packed.reshape(rows // ROWS_PER_GROUP, cols // CHUNK, ROWS_PER_GROUP, CHUNK).permute(0, 2, 1, 3)
-    return _unshift(grouped.reshape(rows, cols))
+    chunk = _chunk(packed)
+    grouped = packed.view(rows // ROWS_PER_GROUP, cols // chunk, ROWS_PER_GROUP, chunk)
+    picked = grouped[ids // ROWS_PER_GROUP, :, ids % ROWS_PER_GROUP, :]  # [*ids.shape, K/chunk, chunk]
+    return picked.reshape(*ids.shape, cols)
 
 
 def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of a packed matrix as int8 [*ids.shape, K] (the tied embedding's lookup), without unpacking it."""
-    rows, cols = packed.shape
-    grouped = packed.view(rows // ROWS_PER_GROUP, cols // CHUNK, ROWS_PER_GROUP, CHUNK)
-    picked = grouped[ids // ROWS_PER_GROUP, :, ids % ROWS_PER_GROUP, :]  # [*ids.shape, K/64, 64]
-    return _unshift(picked.reshape(*ids.shape, cols))
+    """Rows `ids` of a `pack`ed int8 matrix as int8 [*ids.shape, K]."""
+    return _unshift(gather_rows(packed, ids))
+
+
+def bf16_packed_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 times a `pack_rows` bf16 weight [N, K], transposed: [M, N] bf16, fp32 accumulation. Each
+    row's result is independent of the other rows (the same bits alone or in any batch)."""
+    return torch.ops.tern.bf16_packed_mm(x, packed)
 
 
 def int8_vnni_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -140,6 +173,10 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized, (absmax / limit).contiguous()
 
 
+def _chunk(weight: torch.Tensor) -> int:
+    return CHUNK_BYTES // weight.element_size()
+
+
 def _unshift(shifted: torch.Tensor) -> torch.Tensor:
     return (shifted ^ 0x80).view(torch.int8)  # stored as w + 128 (mod 256): flipping the top bit gives w
 
@@ -165,19 +202,19 @@ def _build(compiler: str, cpu_flags: set[str]) -> Path:
     links = [f"-L{path}" for path in cpp_extension.library_paths()]
     links += [f"-Wl,-rpath,{path}" for path in cpp_extension.library_paths()]
     links += ["-lc10", "-ltorch_cpu", "-ltorch"]
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), torch.__version__, " ".join(command + links),
+    key = hashlib.sha256("\n".join([*(source.read_text() for source in SOURCES), torch.__version__, " ".join(command + links),
                                     " ".join(sorted(cpu_flags))]).encode()).hexdigest()[:16]
     from engine.loader import default_cache_dir  # here: the loader imports quant, which imports this module
 
     cache = default_cache_dir() / "kernels"
-    library = cache / f"int8_vnni-{key}.so"
+    library = cache / f"tern_kernels-{key}.so"
     if library.exists():
         return library
     cache.mkdir(parents=True, exist_ok=True)
-    logger.info("building the int8 CPU kernel (once per machine, ~10 s)")
+    logger.info("building Tern's CPU kernels (once per machine, ~20 s)")
     with tempfile.TemporaryDirectory(dir=cache, prefix=".build-") as tmp:
         target = Path(tmp) / library.name
-        subprocess.run([*command, str(SOURCE), "-o", str(target), *links], check=True, capture_output=True, text=True)
+        subprocess.run([*command, *map(str, SOURCES), "-o", str(target), *links], check=True, capture_output=True, text=True)
         os.replace(target, library)
     return library
 
@@ -187,6 +224,11 @@ def _register_fake() -> None:
     @torch.library.register_fake("tern::int8_vnni_mm")
     def _(x, packed, scales):
         return x.new_empty(x.shape[0], packed.shape[0])
+
+    if hasattr(torch.ops.tern, "bf16_packed_mm"):
+        @torch.library.register_fake("tern::bf16_packed_mm")
+        def _(x, packed):
+            return x.new_empty(x.shape[0], packed.shape[0])
 
     @torch.library.register_fake("tern::quantize_activations")
     def _(x):

@@ -177,6 +177,8 @@ class Engine:
         return getattr(self.runner, "graphs", None) is not None
 
     def _warm_up_compiled_decode(self) -> None:
+        if not self.compiled_decode:  # eager, or the generic path's runner, which has nothing to compile
+            return
         try:
             self.runner.warmup(self.config.max_num_seqs)
         except Exception as exc:  # a compiler problem costs speed, never the server

@@ -11,6 +11,8 @@ Modes (EngineConfig.quantization):
 - `bnb-int8` (LLM.int8(), outlier threshold 6.0), `bnb-nf4`, `bnb-fp4` (blocksize 64, compute dtype = the
   engine dtype, optional double quantization): bitsandbytes layers, as transformers' BitsAndBytesConfig builds
   them. Like transformers, they leave lm_head and the embedding unquantized, so perplexity matches the reference.
+- `none` with bf16 weights on a CPU with AVX512-BF16: the weights stay bf16, repacked for Tern's bf16 kernel
+  (`PackedBf16Linear`), which reads them at close to the memory bandwidth, for every batch size.
 Fused projections (qkv_proj, gate_up_proj) quantize per output row (int8, LLM.int8()) or in 64-element blocks
 along rows whose length is a multiple of 64 (4-bit), so fusing before quantizing changes nothing.
 """
@@ -68,6 +70,36 @@ class Int8Embedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = cpu_kernels.packed_rows(self.weight_int8, input_ids) if self.packed else self.weight_int8[input_ids]
         return rows.to(self.scales.dtype) * self.scales[input_ids].unsqueeze(-1)
+
+
+class PackedBf16Linear(nn.Module):
+    """y = x @ weight.T + bias in bf16, the weight held in cpu_kernels.pack_rows' layout for Tern's bf16 kernel
+    (engine/csrc/bf16_gemm.cpp); F.linear on the unpacked weight is its eager twin."""
+
+    def __init__(self, weight_packed: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight_packed.shape
+        self.register_buffer("weight_packed", weight_packed)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = cpu_kernels.bf16_packed_mm(x.reshape(-1, x.shape[-1]), self.weight_packed)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class PackedBf16Embedding(nn.Module):
+    """Row lookup in a bf16 matrix held in pack_rows' layout: the embedding a PackedBf16Linear lm_head is tied to."""
+
+    def __init__(self, weight_packed: torch.Tensor, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight_packed.shape
+        self.padding_idx = padding_idx
+        self.register_buffer("weight_packed", weight_packed)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.gather_rows(self.weight_packed, input_ids)
 
 
 def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,6 +177,8 @@ def quantize(model: nn.Module, mode: str, device: torch.device, dtype: torch.dty
     """Replace the model's linear layers in place (after loading and fusing); raise ModelLoadError if `mode`
     cannot run here. `dtype` is the activation/compute dtype; `double_quant` applies to the 4-bit modes."""
     if mode == "none":
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            pack_bf16_for_cpu_kernel(model)
         return
     check_supported(mode, device, dtype)
     head, embedding = _output_head(model), _input_embedding(model)
@@ -184,19 +218,49 @@ def pack_for_cpu_kernel(model: nn.Module) -> None:
     logger.info("int8 matmul: Tern's VNNI kernel for %d of the int8 matrices", len(packed))
 
 
+def pack_bf16_for_cpu_kernel(model: nn.Module) -> None:
+    """Swap every bf16 linear layer whose shape fits for a PackedBf16Linear (and an embedding tied to one for a
+    PackedBf16Embedding sharing its matrix), where the bf16 kernel runs on this CPU; the rest stay as they are."""
+    if not cpu_kernels.bf16_available():
+        reason = cpu_kernels.unsupported_reason() or f"this CPU lacks {cpu_kernels.BF16_CPU_FLAG}"
+        logger.info("bf16 matmul: aten's (Tern's bf16 kernel: %s)", reason)
+        return
+    packed: dict[int, torch.Tensor] = {}  # data_ptr of a weight -> its packed copy: tied layers share one
+    for parent, name, child in _linear_children(model):
+        weight, bias = _linear_weight(child)
+        if weight.dtype == torch.bfloat16 and cpu_kernels.can_pack(weight):
+            if weight.data_ptr() not in packed:
+                packed[weight.data_ptr()] = cpu_kernels.pack_rows(weight.detach().contiguous())
+            setattr(parent, name, PackedBf16Linear(packed[weight.data_ptr()], None if bias is None else bias.detach()))
+    embedding = _input_embedding(model)
+    if isinstance(embedding, nn.Embedding) and embedding.weight.data_ptr() in packed:
+        _replace(model, embedding, PackedBf16Embedding(packed[embedding.weight.data_ptr()], embedding.padding_idx))
+    logger.info("bf16 matmul: Tern's bf16 kernel for %d of the matrices", len(packed))
+
+
 def num_parameters(model: nn.Module) -> int:
     """Parameters as the float model had them (a 4-bit or int8 weight counts as its logical shape)."""
     total, seen = 0, set()
     for module in model.modules():
-        if isinstance(module, (Int8Linear, Int8Embedding)) and id(module.weight_int8) not in seen:
-            seen.add(id(module.weight_int8))
-            total += module.weight_int8.numel()
+        for weight in _packed_weights(module):
+            if id(weight) not in seen:
+                seen.add(id(weight))
+                total += weight.numel()
         for param in module.parameters(recurse=False):
             if id(param) not in seen:
                 seen.add(id(param))
                 quant_state = getattr(param, "quant_state", None)
                 total += quant_state.shape.numel() if quant_state is not None else param.numel()
     return total
+
+
+def _packed_weights(module: nn.Module) -> list[torch.Tensor]:
+    """The weight matrices a Tern layer keeps as buffers rather than parameters."""
+    if isinstance(module, (Int8Linear, Int8Embedding)):
+        return [module.weight_int8]
+    if isinstance(module, (PackedBf16Linear, PackedBf16Embedding)):
+        return [module.weight_packed]
+    return []
 
 
 def weight_bytes(model: nn.Module) -> int:
