@@ -57,8 +57,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=int(env("TERN_MAX_NUM_BATCHED_TOKENS", "2048")),
-        help="tokens per step; longer prompts are prefilled in chunks (TERN_MAX_NUM_BATCHED_TOKENS)",
+        default=int(env("TERN_MAX_NUM_BATCHED_TOKENS", "0")) or None,
+        help="tokens per step; longer prompts are prefilled in chunks (default 256 on CPU, 2048 on CUDA; "
+        "TERN_MAX_NUM_BATCHED_TOKENS)",
     )
     parser.add_argument(
         "--max-waiting",

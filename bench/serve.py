@@ -6,7 +6,8 @@
 Each level runs `concurrency` clients that each send requests back to back until the level has sent its quota
 (by default twice the concurrency, at least 4). Prompts are cut from a fixed seeded text to about
 --prompt-tokens tokens (counted by the server's own usage numbers). Every request asks for exactly --max-tokens
-tokens (`ignore_eos` and `min_tokens`, which Tern and vLLM honour and other servers ignore).
+tokens (`ignore_eos` and `min_tokens`, which Tern and vLLM honour and other servers ignore;
+--openai-fields-only leaves them out for servers that refuse them, transformers serve among them).
 
 --intruder-tokens 2000 repeats each level with one ~2,000-token prompt arriving mid-decode (the chunked
 prefill check: the other streams' inter-token latency should barely move).
@@ -63,9 +64,9 @@ async def one_request(client: httpx.AsyncClient, args, index: int, prompt_tokens
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "ignore_eos": True,
-        "min_tokens": max_tokens,
     }
+    if not args.openai_fields_only:
+        body.update(ignore_eos=True, min_tokens=max_tokens)
     result = RequestResult(ok=False, start=time.perf_counter())
     try:
         async with client.stream("POST", "/chat/completions", json=body) as response:
@@ -189,6 +190,9 @@ def main() -> None:
                         help="also run each level with one prompt of about this many tokens arriving mid-decode")
     parser.add_argument("--intruder-delay", type=float, default=3.0, help="seconds into the level it arrives")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--openai-fields-only", action="store_true",
+                        help="send no ignore_eos/min_tokens, for servers that refuse unknown fields (transformers "
+                        "serve): answers may then end before --max-tokens, and the figures count what came")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     rows = asyncio.run(main_async(args))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import compiled, cuda_graphs, loader
-from engine.config import EngineConfig
+from engine.config import EngineConfig, batched_tokens_for
 from engine.errors import ContextLengthExceededError, InvalidRequestError, QueueFullError
 from engine.kv_cache import BlockAllocator, KVCache, blocks_needed
 from engine.loader import LoadedModel
@@ -121,11 +121,13 @@ class Engine:
         self._capture_decode_graphs()
         self._warm_up_compiled_decode()
         self.allocator = BlockAllocator(num_blocks)
+        self.max_num_batched_tokens = self.config.max_num_batched_tokens or batched_tokens_for(
+            self.device.type, self.config.max_num_seqs)
         self.scheduler = Scheduler(
             self.allocator,
             block_size,
             self.config.max_num_seqs,
-            self.config.max_num_batched_tokens,
+            self.max_num_batched_tokens,
             enable_prefix_caching=self.config.enable_prefix_caching and self.loaded.is_native,
         )
 
@@ -136,7 +138,7 @@ class Engine:
         self._requests: dict[str, tuple[Request, RequestStream]] = {}  # engine thread only
         self._recent_tokens: deque[tuple[float, int]] = deque()
         logger.info(
-            "engine ready: %s (%s, %s, %s), max_model_len %d, %d KV blocks of %d tokens",
+            "engine ready: %s (%s, %s, %s), max_model_len %d, %d KV blocks of %d tokens, %d tokens per step",
             self.model_name,
             "native" if self.loaded.is_native else "generic transformers path",
             self.device,
@@ -144,6 +146,7 @@ class Engine:
             self.max_model_len,
             num_blocks,
             block_size,
+            self.max_num_batched_tokens,
         )
 
     def _compiled_forward(self, model):

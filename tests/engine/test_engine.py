@@ -78,7 +78,7 @@ def test_kv_exhaustion_preempts_and_every_request_still_finishes_correctly(tiny_
 
 def test_long_prompt_is_prefilled_in_chunks_with_the_same_result(tiny_engine_factory):
     engine_chunked, _ = tiny_engine_factory(max_num_batched_tokens=16)
-    engine_whole, _ = tiny_engine_factory()
+    engine_whole, _ = tiny_engine_factory(max_num_batched_tokens=4096)
     prompt = _prompts(1, seed=11)[0] * 4  # > 16 tokens: several chunks
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=2)
     chunked = engine_chunked.generate([prompt], params)[0]
@@ -87,6 +87,15 @@ def test_long_prompt_is_prefilled_in_chunks_with_the_same_result(tiny_engine_fac
     assert len(chunked.prompt_logprobs) == len(prompt)
     for a, b in zip(chunked.prompt_logprobs[1:], whole.prompt_logprobs[1:]):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+
+
+def test_default_step_budget_is_small_on_cpu_and_fits_every_running_sequence(tiny_engine_factory):
+    from engine.config import batched_tokens_for
+
+    engine, _ = tiny_engine_factory()  # CPU, max_num_seqs 64
+    assert engine.max_num_batched_tokens == 256
+    assert batched_tokens_for("cuda", 64) == 2048
+    assert batched_tokens_for("cpu", 300) == 300  # a decode step always has room for every sequence
 
 
 def test_n_samples_have_their_own_index_and_text(tiny_engine_factory):
