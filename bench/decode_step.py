@@ -7,6 +7,10 @@ For each batch size: milliseconds per step (sequences of --context tokens each, 
 tokens/s, and the weights' bytes over the step time as a rate, against --bandwidth (GB/s; the issue's 3,000 for
 an H100). At batch 1 that rate over the bandwidth is how close decode is to the memory limit. The step is the
 model (lm_head included) only: no scheduling, sampling or detokenizing, which bench/engine.py counts.
+
+Made for GPUs. On a CPU its figures are pessimistic (~30% on 2 cores): it calls the model from this thread
+while the engine's own thread holds an OpenMP team, and libgomp then throttles both (see engine/engine.py);
+bench/engine.py measures the CPU engine as it serves.
 """
 from __future__ import annotations
 
