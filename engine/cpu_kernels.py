@@ -30,7 +30,6 @@ SOURCES = (Path(__file__).parent / "csrc" / "int8_vnni.cpp", Path(__file__).pare
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
 BF16_CPU_FLAG = "avx512_bf16"  # bf16_gemm.cpp registers its op only where the compiler targets it
 ROWS_PER_GROUP, CHUNK_BYTES = 4, 64  # the packed layout: [N/4][K/chunk][4][chunk], one zmm register per chunk
-CHUNK = CHUNK_BYTES  # int8 values per chunk
 
 
 def available() -> bool:
@@ -60,8 +59,9 @@ def unsupported_reason() -> str | None:
 
 @functools.cache
 def bf16_available() -> bool:
-    """Whether torch.ops.tern.bf16_packed_mm is loaded (the int8 kernel's library, on a CPU with AVX512-BF16)."""
-    return available() and BF16_CPU_FLAG in _cpu_flags() and hasattr(torch.ops.tern, "bf16_packed_mm")
+    """Whether torch.ops.tern.bf16_packed_mm is loaded (the int8 kernel's library, built on a CPU with AVX512-BF16:
+    -march=native registers the op exactly there)."""
+    return available() and hasattr(torch.ops.tern, "bf16_packed_mm")
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -123,7 +123,7 @@ def int8_vnni_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) ->
 
 def activation_block(cols: int) -> int:
     """Values per activation scale: the largest of 256, 192, 128 that divides the row, else 64 (as the C++)."""
-    return next((size for size in (256, 192, 128) if cols % size == 0), CHUNK)
+    return next((size for size in (256, 192, 128) if cols % size == 0), CHUNK_BYTES)
 
 
 def int8_batch_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -142,7 +142,8 @@ def int8_batch_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -
 def unpack_blocks(packed: torch.Tensor, block: int) -> torch.Tensor:
     """The packed weight as int8 [K/block, N, block]: column block b of the [N, K] matrix is [b] (contiguous)."""
     rows, cols = packed.shape
-    grouped = packed.view(rows // ROWS_PER_GROUP, cols // block, block // CHUNK, ROWS_PER_GROUP, CHUNK)
+    chunk = CHUNK_BYTES  # int8: one value per byte
+    grouped = packed.view(rows // ROWS_PER_GROUP, cols // block, block // chunk, ROWS_PER_GROUP, chunk)
     # A copy, never a view: with one block the permuted view is the weight itself, which the xor would change.
     blocks = grouped.permute(1, 0, 3, 2, 4).clone(memory_format=torch.contiguous_format)
     blocks = blocks.bitwise_xor_(0x80).view(cols // block, rows, block)  # stored as w + 128: the top bit flipped
@@ -202,8 +203,9 @@ def _build(compiler: str, cpu_flags: set[str]) -> Path:
     links = [f"-L{path}" for path in cpp_extension.library_paths()]
     links += [f"-Wl,-rpath,{path}" for path in cpp_extension.library_paths()]
     links += ["-lc10", "-ltorch_cpu", "-ltorch"]
-    key = hashlib.sha256("\n".join([*(source.read_text() for source in SOURCES), torch.__version__, " ".join(command + links),
-                                    " ".join(sorted(cpu_flags))]).encode()).hexdigest()[:16]
+    parts = [*(source.read_text() for source in SOURCES), torch.__version__, " ".join(command + links),
+             " ".join(sorted(cpu_flags))]
+    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     from engine.loader import default_cache_dir  # here: the loader imports quant, which imports this module
 
     cache = default_cache_dir() / "kernels"
@@ -214,7 +216,8 @@ def _build(compiler: str, cpu_flags: set[str]) -> Path:
     logger.info("building Tern's CPU kernels (once per machine, ~20 s)")
     with tempfile.TemporaryDirectory(dir=cache, prefix=".build-") as tmp:
         target = Path(tmp) / library.name
-        subprocess.run([*command, *map(str, SOURCES), "-o", str(target), *links], check=True, capture_output=True, text=True)
+        subprocess.run([*command, *map(str, SOURCES), "-o", str(target), *links],
+                       check=True, capture_output=True, text=True)
         os.replace(target, library)
     return library
 

@@ -229,9 +229,10 @@ def pack_bf16_for_cpu_kernel(model: nn.Module) -> None:
     for parent, name, child in _linear_children(model):
         weight, bias = _linear_weight(child)
         if weight.dtype == torch.bfloat16 and cpu_kernels.can_pack(weight):
-            if weight.data_ptr() not in packed:
-                packed[weight.data_ptr()] = cpu_kernels.pack_rows(weight.detach().contiguous())
-            setattr(parent, name, PackedBf16Linear(packed[weight.data_ptr()], None if bias is None else bias.detach()))
+            key = weight.data_ptr()
+            if key not in packed:
+                packed[key] = cpu_kernels.pack_rows(weight.detach().contiguous())
+            setattr(parent, name, PackedBf16Linear(packed[key], None if bias is None else bias.detach()))
     embedding = _input_embedding(model)
     if isinstance(embedding, nn.Embedding) and embedding.weight.data_ptr() in packed:
         _replace(model, embedding, PackedBf16Embedding(packed[embedding.weight.data_ptr()], embedding.padding_idx))

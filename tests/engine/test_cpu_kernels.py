@@ -129,7 +129,8 @@ def _bf16_case(rows: int, n: int, k: int, seed: int = 0):
 def test_bf16_kernel_is_the_exact_product_rounded_once_and_each_row_is_independent_of_the_batch(rows):
     for n, k in [(4, 32), (12, 96), (100, 576), (576, 1536)]:
         x, weight = _bf16_case(rows, n, k, seed=rows)
-        out = cpu_kernels.bf16_packed_mm(x, cpu_kernels.pack_rows(weight))
+        packed = cpu_kernels.pack_rows(weight)
+        out = cpu_kernels.bf16_packed_mm(x, packed)
         assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
         exact = x.double() @ weight.double().T
         # One rounding to bf16 (half an ulp: 2^-9 relative) plus fp32 accumulation: at most one ulp off.
@@ -138,7 +139,7 @@ def test_bf16_kernel_is_the_exact_product_rounded_once_and_each_row_is_independe
         aten_error = (torch.nn.functional.linear(x, weight).double() - exact).abs().max()
         assert error.max() <= aten_error * 1.5 + 1e-6, (n, k)  # as close as aten's own bf16 matmul
         for row in {0, rows // 2, rows - 1}:  # alone, a row gets the same bits as inside any batch
-            alone = cpu_kernels.bf16_packed_mm(x[row:row + 1], cpu_kernels.pack_rows(weight))
+            alone = cpu_kernels.bf16_packed_mm(x[row:row + 1], packed)
             assert torch.equal(alone[0], out[row]), (n, k, row)
 
 
