@@ -53,6 +53,8 @@ def mark_dynamic(input_ids: torch.Tensor, positions: torch.Tensor, meta: Attenti
     marks = [(input_ids, 0), (positions, 0), (meta.slot_mapping, 0)]
     for group in meta.groups:
         marks += [(group.context_slots, 0), (group.context_slots, 1)]
+        if group.context_lens is not None:
+            marks.append((group.context_lens, 0))
         if group.attn_mask is not None:
             marks += [(group.attn_mask, 0), (group.attn_mask, 3)]
     for tensor, dim in marks:

@@ -5,7 +5,8 @@ Decode matmuls are bound by reading weights, and aten reads them at a third (`_w
 4 rows stored chunk by chunk (`pack_rows`), and multiply with AVX512-VNNI (int8 x int8, as llama.cpp does) or
 AVX512-BF16. `engine/quant.py` uses them: the int8 kernel for decode-sized batches when `available()`, and
 `int8_batch_mm`, which gives the same bits, for larger ones; the bf16 kernel for every batch size when
-`bf16_available()`.
+`bf16_available()`. A third kernel, `paged_decode_attention`, reads decode steps' keys and values in place from
+the paged KV cache (engine/models/attention.py).
 
 The shared library is compiled with -march=native, so its cache key includes this CPU's flags as well as the
 source and torch version: a cache folder copied to another machine rebuilds instead of crashing.
@@ -26,7 +27,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "csrc" / "int8_vnni.cpp", Path(__file__).parent / "csrc" / "bf16_gemm.cpp")
+SOURCES = tuple(Path(__file__).parent / "csrc" / name
+                for name in ("int8_vnni.cpp", "bf16_gemm.cpp", "decode_attention.cpp"))
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
 BF16_CPU_FLAG = "avx512_bf16"  # bf16_gemm.cpp registers its op only where the compiler targets it
 ROWS_PER_GROUP, CHUNK_BYTES = 4, 64  # the packed layout: [N/4][K/chunk][4][chunk], one zmm register per chunk
@@ -114,6 +116,20 @@ def bf16_packed_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [M, K] bf16 times a `pack_rows` bf16 weight [N, K], transposed: [M, N] bf16, fp32 accumulation. Each
     row's result is independent of the other rows (the same bits alone or in any batch)."""
     return torch.ops.tern.bf16_packed_mm(x, packed)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           context_slots: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence attending to its first context_lens[b] cache slots, read in place: q [B, H, D],
+    caches [slots, Hkv, D] (bf16 or fp32), context_slots [B, L] -> [B, H*D], rounded where the matmul path
+    (engine/models/attention.py) rounds."""
+    return torch.ops.tern.paged_decode_attention(q, k_cache, v_cache, context_slots, context_lens, scale)
+
+
+def decode_attention_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether paged_decode_attention serves decode steps of this model here."""
+    return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and head_dim % 16 == 0
+            and available())
 
 
 def int8_vnni_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -232,6 +248,10 @@ def _register_fake() -> None:
         @torch.library.register_fake("tern::bf16_packed_mm")
         def _(x, packed):
             return x.new_empty(x.shape[0], packed.shape[0])
+
+    @torch.library.register_fake("tern::paged_decode_attention")
+    def _(q, k_cache, v_cache, context_slots, context_lens, scale):
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
     @torch.library.register_fake("tern::quantize_activations")
     def _(x):

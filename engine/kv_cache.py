@@ -106,6 +106,7 @@ class KVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.dtype, self.head_dim = dtype, head_dim
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return list(zip(self.keys, self.values))

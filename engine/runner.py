@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import compiled
+from engine import compiled, cpu_kernels
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.models.attention import AttentionGroup, AttentionMetadata
@@ -33,6 +33,8 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = device
         self.compiled_forward = compiled_forward  # runs decode steps when set; see engine/compiled.py
+        # Decode attention reads the cache in place on CPU (engine/csrc/decode_attention.cpp); off: matmuls.
+        self.decode_kernel = cpu_kernels.decode_attention_usable(device, kv_cache.dtype, kv_cache.head_dim)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, samples: list[bool], wants_prompt: list[bool]) -> StepLogits:
@@ -98,7 +100,7 @@ class ModelRunner:
         else:
             groups = [self._group(batch, starts, offsets, list(range(len(lengths))), with_rows=False)]
 
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups)
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups, self.decode_kernel)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
         return input_ids, torch.tensor(positions, dtype=torch.long, device=device), meta
 
@@ -140,7 +142,8 @@ class ModelRunner:
             query_pos = starts_t[:, None] + query_j[None]  # [B, Q]
             attn_mask = (key_pos[None, None] <= query_pos[:, :, None]) & (key_pos[None, None] < context_lens[:, None, None])
             attn_mask = attn_mask[:, None]  # [B, 1, Q, L]
-        return AttentionGroup(query_index, output_index, context_slots, attn_mask, is_causal, is_decode, rows)
+        return AttentionGroup(query_index, output_index, context_slots, attn_mask, is_causal, is_decode, rows,
+                              context_lens if is_decode else None)
 
 
 def _marked_dynamic(compiled_forward):

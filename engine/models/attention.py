@@ -1,10 +1,14 @@
-"""Paged attention in plain PyTorch (SDPA): write new K/V into cache slots, gather each sequence's context."""
+"""Paged attention: write new K/V into cache slots, then attend. Prompts gather each sequence's context for SDPA;
+decode steps use Tern's CPU kernel, which reads the cache in place, where the runner says it serves them, and
+plain matmuls (its twin) elsewhere."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from engine import cpu_kernels
 
 
 @dataclass
@@ -22,6 +26,7 @@ class AttentionGroup:
     is_causal: bool = True  # with no mask: causal over each sequence's own tokens (False: attend to all L)
     is_decode: bool = False  # one new token per sequence (Q == 1): no padding to gather or scatter
     rows: torch.Tensor | None = None  # the group's tokens in T; None: all of T, in order
+    context_lens: torch.Tensor | None = None  # [B] context positions each sequence attends to (decode groups)
 
 
 @dataclass
@@ -31,6 +36,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     groups: list[AttentionGroup]
+    decode_kernel: bool = False  # decode groups run cpu_kernels.paged_decode_attention (needs context_lens)
 
 
 def paged_attention(
@@ -47,15 +53,19 @@ def paged_attention(
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     if len(meta.groups) == 1 and meta.groups[0].rows is None:
-        return _attend(q, k_cache, v_cache, meta.groups[0], scale)
+        return _attend(q, k_cache, v_cache, meta.groups[0], scale, meta.decode_kernel)
     out = q.new_empty(q.shape[0], q.shape[1] * k.shape[2])
     for group in meta.groups:
-        out.index_copy_(0, group.rows, _attend(q, k_cache, v_cache, group, scale))
+        out.index_copy_(0, group.rows, _attend(q, k_cache, v_cache, group, scale, meta.decode_kernel))
     return out
 
 
-def _attend(q, k_flat, v_flat, group: AttentionGroup, scale: float) -> torch.Tensor:
+def _attend(q, k_flat, v_flat, group: AttentionGroup, scale: float, decode_kernel: bool) -> torch.Tensor:
     """Attention output of the group's tokens, [rows, H*D], in the order of group.rows."""
+    if group.is_decode and decode_kernel:
+        q_rows = q if group.rows is None else q.index_select(0, group.rows)  # [B, H, D]
+        return cpu_kernels.paged_decode_attention(
+            q_rows.contiguous(), k_flat, v_flat, group.context_slots, group.context_lens, scale)
     num_kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
     # index_select (one memcpy per row) rather than advanced indexing: several times faster on CPU.
     batch, context_len = group.context_slots.shape
@@ -83,9 +93,9 @@ def _attend(q, k_flat, v_flat, group: AttentionGroup, scale: float) -> torch.Ten
 
 
 def _decode_attention_matmul(q, keys, values, attn_mask, scale: float) -> torch.Tensor:
-    """One query per sequence, in plain matmuls: on CPU this is several times faster than SDPA's flash kernel,
-    which is tuned for long queries, and on an H100 it beat memory-efficient SDPA 2.3x in a 64-sequence step.
-    Softmax in fp32, as SDPA does."""
+    """One query per sequence, in plain matmuls: several times faster than SDPA's flash kernel on CPU, which is
+    tuned for long queries, and on an H100 it beat memory-efficient SDPA 2.3x in a 64-sequence step. Softmax in
+    fp32, as SDPA does. The CPU kernel's twin: it rounds where this rounds."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # heads sharing one KV head

@@ -196,3 +196,71 @@ def test_bf16_engine_packs_its_matrices_once_and_agrees_with_its_unpacked_twin(d
     twin_first = dict(results["twin"][0].logprobs[0].top)
     for token, logprob in alone.logprobs[0].top:
         assert abs(twin_first.get(token, -99.0) - logprob) < 0.05
+
+
+def _matmul_decode_attention(q, k_cache, v_cache, context_slots, context_lens, scale):
+    """The plain-PyTorch decode attention (the kernel's twin), on the same inputs."""
+    from engine.models.attention import _decode_attention_matmul
+
+    batch, length = context_slots.shape
+    heads, dim = k_cache.shape[1:]
+    keys = k_cache[context_slots.reshape(-1)].view(batch, length, heads, dim).transpose(1, 2)
+    values = v_cache[context_slots.reshape(-1)].view(batch, length, heads, dim).transpose(1, 2)
+    mask = (torch.arange(length)[None] < context_lens[:, None])[:, None, None]
+    return _decode_attention_matmul(q, keys, values, mask, scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("batch,length,heads,kv_heads,dim", [(16, 243, 9, 3, 64), (1, 37, 4, 4, 128), (5, 100, 8, 2, 32),
+                                                             (3, 1, 4, 2, 16)])
+def test_decode_attention_kernel_reads_the_cache_in_place_as_its_matmul_twin_computes(dtype, batch, length, heads,
+                                                                                      kv_heads, dim):
+    generator = torch.Generator().manual_seed(batch * length)
+    slots = 4096
+    k_cache = torch.randn(slots, kv_heads, dim, generator=generator).to(dtype)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=generator).to(dtype)
+    q = torch.randn(batch, heads, dim, generator=generator).to(dtype)
+    context_slots = torch.randperm(slots, generator=generator)[: batch * length].view(batch, length)
+    context_lens = torch.randint(1, length + 1, (batch,), generator=generator)
+    context_lens[0] = length
+    out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, context_slots, context_lens, dim**-0.5)
+    expected = _matmul_decode_attention(q, k_cache, v_cache, context_slots, context_lens, dim**-0.5)
+    assert out.dtype == dtype and out.shape == (batch, heads * dim)
+    # bf16: rounded where the matmuls round, so only fp32 summation order differs (measured: equal bits).
+    # fp32: a few ulps.
+    tolerance = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    assert (out == expected).float().mean() > (0.99 if dtype == torch.bfloat16 else 0.0)
+    # Padding past a sequence's length is never read: scribbling over it changes nothing.
+    garbage = context_slots.clone()
+    for b in range(batch):
+        garbage[b, context_lens[b]:] = 0
+    k_cache[0] = float("nan")
+    assert torch.equal(cpu_kernels.paged_decode_attention(q, k_cache, v_cache, garbage, context_lens, dim**-0.5), out)
+    alone = cpu_kernels.paged_decode_attention(q[-1:], k_cache, v_cache, garbage[-1:], context_lens[-1:], dim**-0.5)
+    assert torch.equal(alone[0], out[-1])  # a sequence's attention does not depend on its batch
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,tie", [("float32", 1e-4), ("bfloat16", 0.05)])
+def test_engine_decodes_the_same_tokens_with_the_attention_kernel_as_with_its_matmul_twin(default_tokenizer, dtype, tie):
+    engine, _ = tiny_quantized_engine("llama", "none", default_tokenizer, dtype=dtype, max_num_seqs=8)
+    try:
+        assert engine.runner.decode_kernel
+        generator = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(3, 2000, (n,), generator=generator).tolist() for n in (3, 17, 40, 90, 5)]
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+        runs = {}
+        for kernel in (True, False):
+            engine.runner.decode_kernel = kernel  # read by the engine thread at its next step
+            runs[kernel] = [c.choices[0] for c in engine.generate(prompts, params)]
+    finally:
+        engine.stop()
+    for ours, twin in zip(runs[True], runs[False]):
+        for position, (mine, theirs) in enumerate(zip(ours.token_ids, twin.token_ids)):
+            if mine != theirs:  # bf16 only: a near tie may flip, then the sequences part
+                top = dict(twin.logprobs[position].top)
+                assert dtype == "bfloat16" and mine in top and top[theirs] - top[mine] <= tie
+                break
+            assert abs(ours.logprobs[position].logprob - twin.logprobs[position].logprob) <= tie
