@@ -3,9 +3,8 @@
 Decode matmuls are bound by reading weights, and aten reads them at a third (`_weight_int8pack_mm`) to a half
 (bf16 matmul) of this machine's bandwidth. The kernels here read them in the order they use them, each group of
 4 rows stored chunk by chunk (`pack_rows`), and multiply with AVX512-VNNI (int8 x int8, as llama.cpp does) or
-AVX512-BF16. `engine/quant.py` uses them: the int8 kernel for decode-sized batches when `available()`, and
-`int8_batch_mm`, which gives the same bits, for larger ones; the bf16 kernel for every batch size when
-`bf16_available()`. A third kernel, `paged_decode_attention`, reads decode steps' keys and values in place from
+AVX512-BF16. `engine/quant.py` uses them for every batch size: the int8 kernel when `available()`, the bf16
+kernel when `bf16_available()`. A third kernel, `paged_decode_attention`, reads decode steps' keys and values in place from
 the paged KV cache (engine/models/attention.py).
 
 The shared library is compiled with -march=native, so its cache key includes this CPU's flags as well as the
@@ -31,7 +30,8 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("int8_vnni.cpp", "bf16_gemm.cpp", "decode_attention.cpp"))
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
 BF16_CPU_FLAG = "avx512_bf16"  # bf16_gemm.cpp registers its op only where the compiler targets it
-ROWS_PER_GROUP, CHUNK_BYTES = 4, 64  # the packed layout: [N/4][K/chunk][4][chunk], one zmm register per chunk
+ROWS_PER_GROUP, CHUNK_BYTES = 4, 64  # the bf16 layout: [N/4][K/chunk][4][chunk], one zmm register per chunk
+INT8_GROUP_ROWS, INT8_QUAD = 16, 4  # the int8 layout: [N/16][K/4][16][4], one zmm register per 4 columns
 
 
 def available() -> bool:
@@ -67,49 +67,62 @@ def bf16_available() -> bool:
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Shapes the kernels take: rows in groups of 4, a row length of whole 64-byte chunks, on the CPU."""
+    """Shapes both kernels take: rows in groups of 16 (int8; 4 for bf16), a row length of whole 64-byte chunks,
+    on the CPU."""
     rows, cols = weight.shape
-    return weight.device.type == "cpu" and rows % ROWS_PER_GROUP == 0 and cols % _chunk(weight) == 0
+    return weight.device.type == "cpu" and rows % INT8_GROUP_ROWS == 0 and cols % _chunk(weight) == 0
 
 
 def pack_rows(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> the kernels' layout, same dtype and shape: each group of 4 rows stored 64-byte chunk by chunk."""
-    rows, cols = weight.shape
-    chunk = _chunk(weight)
-    grouped = weight.reshape(rows // ROWS_PER_GROUP, ROWS_PER_GROUP, cols // chunk, chunk)
-    return grouped.permute(0, 2, 1, 3).contiguous().reshape(rows, cols)
+    """[N, K] -> the bf16 kernel's layout, same dtype and shape: each group of 4 rows stored 64-byte chunk by
+    chunk."""
+    return _interleave(weight, ROWS_PER_GROUP, _chunk(weight))
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of `pack_rows`: [N, K] in row order."""
-    rows, cols = packed.shape
-    chunk = _chunk(packed)
-    grouped = packed.reshape(rows // ROWS_PER_GROUP, cols // chunk, ROWS_PER_GROUP, chunk).permute(0, 2, 1, 3)
-    return grouped.reshape(rows, cols)
-
-
-def pack(weight_int8: torch.Tensor) -> torch.Tensor:
-    """int8 [N, K] -> the VNNI kernel's layout: uint8 (w + 128), as `pack_rows` orders it."""
-    return pack_rows((weight_int8.to(torch.int16) + 128).to(torch.uint8))
-
-
-def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of `pack`: int8 [N, K] in row order."""
-    return _unshift(unpack_rows(packed))
+    return _deinterleave(packed, ROWS_PER_GROUP, _chunk(packed))
 
 
 def gather_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of a `pack_rows` matrix as [*ids.shape, K] (a tied embedding's lookup), without unpacking it."""
-    rows, cols = packed.shape
-    chunk = _chunk(packed)
-    grouped = packed.view(rows // ROWS_PER_GROUP, cols // chunk, ROWS_PER_GROUP, chunk)
-    picked = grouped[ids // ROWS_PER_GROUP, :, ids % ROWS_PER_GROUP, :]  # [*ids.shape, K/chunk, chunk]
-    return picked.reshape(*ids.shape, cols)
+    return _gather(packed, ids, ROWS_PER_GROUP, _chunk(packed))
+
+
+def pack(weight_int8: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> the VNNI kernel's layout, uint8 [N, K]: w + 128, each group of 16 rows stored 4 columns at
+    a time (one 64-byte load: 4 values of each of 16 rows)."""
+    return _interleave((weight_int8.to(torch.int16) + 128).to(torch.uint8), INT8_GROUP_ROWS, INT8_QUAD)
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack`: int8 [N, K] in row order."""
+    return _unshift(_deinterleave(packed, INT8_GROUP_ROWS, INT8_QUAD))
 
 
 def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of a `pack`ed int8 matrix as int8 [*ids.shape, K]."""
-    return _unshift(gather_rows(packed, ids))
+    """Rows `ids` of a `pack`ed int8 matrix as int8 [*ids.shape, K] (a tied embedding's lookup)."""
+    return _unshift(_gather(packed, ids, INT8_GROUP_ROWS, INT8_QUAD))
+
+
+def _interleave(weight: torch.Tensor, group_rows: int, chunk: int) -> torch.Tensor:
+    """[N, K] stored as [N/group_rows][K/chunk][group_rows][chunk] (same shape and dtype)."""
+    rows, cols = weight.shape
+    grouped = weight.reshape(rows // group_rows, group_rows, cols // chunk, chunk)
+    return grouped.permute(0, 2, 1, 3).contiguous().reshape(rows, cols)
+
+
+def _deinterleave(packed: torch.Tensor, group_rows: int, chunk: int) -> torch.Tensor:
+    rows, cols = packed.shape
+    grouped = packed.reshape(rows // group_rows, cols // chunk, group_rows, chunk).permute(0, 2, 1, 3)
+    return grouped.reshape(rows, cols)
+
+
+def _gather(packed: torch.Tensor, ids: torch.Tensor, group_rows: int, chunk: int) -> torch.Tensor:
+    rows, cols = packed.shape
+    grouped = packed.view(rows // group_rows, cols // chunk, group_rows, chunk)
+    picked = grouped[ids // group_rows, :, ids % group_rows, :]  # [*ids.shape, K/chunk, chunk]
+    return picked.reshape(*ids.shape, cols)
 
 
 def bf16_packed_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -140,30 +153,6 @@ def int8_vnni_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) ->
 def activation_block(cols: int) -> int:
     """Values per activation scale: the largest of 256, 192, 128 that divides the row, else 64 (as the C++)."""
     return next((size for size in (256, 192, 128) if cols % size == 0), CHUNK_BYTES)
-
-
-def int8_batch_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """What int8_vnni_mm computes, bit for bit, for batches too large for it (prefill): the kernel's own
-    activation quantization, the block dot products from torch._int_mm's int8 GEMM, then the kernel's own float
-    epilogue. x [M, K]; packed as `pack` makes it."""
-    quantized, x_scales = torch.ops.tern.quantize_activations(x)  # [blocks, M, block], [M, blocks]
-    blocks, rows, block = quantized.shape
-    weight_blocks = unpack_blocks(packed, block)
-    dots = torch.empty(blocks, rows, packed.shape[0], dtype=torch.int32)
-    for b in range(blocks):
-        torch._int_mm(quantized[b], weight_blocks[b].t(), out=dots[b])  # contiguous blocks: _int_mm's fast case
-    return torch.ops.tern.int8_combine_blocks(dots, x_scales, scales, x.dtype)
-
-
-def unpack_blocks(packed: torch.Tensor, block: int) -> torch.Tensor:
-    """The packed weight as int8 [K/block, N, block]: column block b of the [N, K] matrix is [b] (contiguous)."""
-    rows, cols = packed.shape
-    chunk = CHUNK_BYTES  # int8: one value per byte
-    grouped = packed.view(rows // ROWS_PER_GROUP, cols // block, block // chunk, ROWS_PER_GROUP, chunk)
-    # A copy, never a view: with one block the permuted view is the weight itself, which the xor would change.
-    blocks = grouped.permute(1, 0, 3, 2, 4).clone(memory_format=torch.contiguous_format)
-    blocks = blocks.bitwise_xor_(0x80).view(cols // block, rows, block)  # stored as w + 128: the top bit flipped
-    return blocks.view(torch.int8)
 
 
 def int8_reference(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -252,14 +241,3 @@ def _register_fake() -> None:
     @torch.library.register_fake("tern::paged_decode_attention")
     def _(q, k_cache, v_cache, context_slots, context_lens, scale):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-
-    @torch.library.register_fake("tern::quantize_activations")
-    def _(x):
-        rows, cols = x.shape
-        block = activation_block(cols)
-        return (x.new_empty(cols // block, rows, block, dtype=torch.int8),
-                x.new_empty(rows, cols // block, dtype=torch.float32))
-
-    @torch.library.register_fake("tern::int8_combine_blocks")
-    def _(dots, x_scales, scales, out_dtype):
-        return dots.new_empty(dots.shape[1], dots.shape[2], dtype=out_dtype)

@@ -1,11 +1,10 @@
 """Swap nn.Linear for int8 / bitsandbytes variants after loading; detect what this machine supports; count bytes.
 
 Modes (EngineConfig.quantization):
-- `int8`: int8 weights, one fp scale per output channel. On CPUs with AVX512-VNNI, decode-sized batches go
-  through Tern's kernel (engine/cpu_kernels.py), which reads a packed copy of the weight and quantizes the
-  activations to int8 per block (as llama.cpp does), and larger batches (prefill) get the same bits from
-  `cpu_kernels.int8_batch_mm`; elsewhere decode-sized batches go through `aten._weight_int8pack_mm` with bf16
-  activations, and larger ones dequantize and run one matmul.
+- `int8`: int8 weights, one fp scale per output channel. On CPUs with AVX512-VNNI, every batch goes through
+  Tern's kernel (engine/cpu_kernels.py), which reads a packed copy of the weight and quantizes the activations
+  to int8 per block (as llama.cpp does); elsewhere decode-sized batches go through `aten._weight_int8pack_mm`
+  with bf16 activations, and larger ones dequantize and run one matmul.
   The embedding is quantized too (per row), and a tied lm_head shares that int8 matrix: on SmolLM2 the tied
   49152x576 matrix is 21% of the parameters, and leaving it in bf16 would keep the weights at ~61% of bf16.
 - `bnb-int8` (LLM.int8(), outlier threshold 6.0), `bnb-nf4`, `bnb-fp4` (blocksize 64, compute dtype = the
@@ -33,7 +32,7 @@ logger = logging.getLogger(__name__)
 BNB_MODES = {"bnb-int8": "int8", "bnb-nf4": "nf4", "bnb-fp4": "fp4"}
 MODES = ("none", "int8", *BNB_MODES)
 BNB_INT8_THRESHOLD = 6.0  # transformers' BitsAndBytesConfig default (llm_int8_threshold)
-INT8_KERNEL_MAX_ROWS = 32  # above this many rows (prefill), a GEMM beats the decode kernels
+INT8PACK_MAX_ROWS = 32  # above this many rows (prefill), a GEMM beats aten._weight_int8pack_mm
 
 
 class Int8Linear(nn.Module):
@@ -113,19 +112,15 @@ def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
 def int8_linear(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
     """The int8 matmul: aten's packed CPU kernel for decode-sized bf16 batches, else the portable path."""
     rows = x.numel() // x.shape[-1]
-    if _has_int8pack_mm() and x.device.type == "cpu" and x.dtype == torch.bfloat16 and rows <= INT8_KERNEL_MAX_ROWS:
+    if _has_int8pack_mm() and x.device.type == "cpu" and x.dtype == torch.bfloat16 and rows <= INT8PACK_MAX_ROWS:
         return int8pack_linear(x, weight_int8, scales, bias)
     return dequantized_linear(x, weight_int8, scales, bias)
 
 
 def packed_int8_linear(x, packed, scales, bias=None) -> torch.Tensor:
-    """The VNNI kernel for decode-sized batches; larger ones take int8_batch_mm, which gives the same bits, so
-    a sequence's tokens do not depend on what else shares its step."""
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] > INT8_KERNEL_MAX_ROWS:
-        out = cpu_kernels.int8_batch_mm(flat, packed, scales)
-    else:
-        out = cpu_kernels.int8_vnni_mm(flat, packed, scales)
+    """The VNNI kernel, for every batch size: each row gets the same bits alone or in any batch, so a
+    sequence's tokens do not depend on what else shares its step."""
+    out = cpu_kernels.int8_vnni_mm(x.reshape(-1, x.shape[-1]), packed, scales)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], packed.shape[0])

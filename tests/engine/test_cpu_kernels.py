@@ -14,7 +14,7 @@ from engine import cpu_kernels, quant
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no VNNI kernel: {cpu_kernels.unsupported_reason()}")
 needs_bf16_kernel = pytest.mark.skipif(not cpu_kernels.bf16_available(), reason="no AVX512-BF16 kernel on this CPU")
-SHAPES = [(4, 64), (8, 192), (12, 320), (100, 576), (576, 1536)]  # (N, K): activation blocks of 64, 192, 64, 192, 256
+SHAPES = [(16, 64), (32, 192), (48, 320), (112, 576), (576, 1536)]  # (N, K): activation blocks of 64, 192, 64, 192, 256
 
 
 def _case(rows: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):
@@ -27,19 +27,12 @@ def _case(rows: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):
 
 
 def test_pack_round_trips_and_rows_read_from_the_packed_layout():
-    weight = torch.randint(-127, 128, (12, 192), dtype=torch.int8)
+    weight = torch.randint(-127, 128, (32, 192), dtype=torch.int8)
     packed = cpu_kernels.pack(weight)
     assert packed.dtype == torch.uint8 and packed.shape == weight.shape and not torch.equal(packed.view(torch.int8), weight)
     assert torch.equal(cpu_kernels.unpack(packed), weight)
-    ids = torch.tensor([[0, 5, 11], [3, 3, 7]])
+    ids = torch.tensor([[0, 5, 31], [17, 17, 7]])
     assert torch.equal(cpu_kernels.packed_rows(packed, ids), weight[ids])
-    for block, k in ((64, 192), (192, 192), (64, 64)):  # one block of 64: the permuted view is the packed tensor
-        weight = torch.randint(-127, 128, (12, k), dtype=torch.int8)
-        packed = cpu_kernels.pack(weight)
-        before = packed.clone()
-        expected = torch.stack(weight.split(block, dim=1))  # [K/block, N, block]
-        assert torch.equal(cpu_kernels.unpack_blocks(packed, block), expected)
-        assert torch.equal(packed, before)
 
 
 def test_activation_block_is_the_largest_that_divides_the_row():
@@ -48,8 +41,8 @@ def test_activation_block_is_the_largest_that_divides_the_row():
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 32, 40])
-def test_kernel_and_the_batch_path_equal_the_pytorch_reference_bit_for_bit(dtype, rows):
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 32, 40, 300])
+def test_kernel_equals_the_pytorch_reference_bit_for_bit_at_every_batch_size(dtype, rows):
     for n, k in SHAPES:
         x, weight, scales = _case(rows, n, k, dtype, seed=rows)
         x[0, :64] = 0  # a block of zeros has no scale to divide by
@@ -58,7 +51,6 @@ def test_kernel_and_the_batch_path_equal_the_pytorch_reference_bit_for_bit(dtype
         out = cpu_kernels.int8_vnni_mm(x, packed, scales)
         assert out.dtype == dtype and out.shape == (rows, n)
         assert torch.equal(out, expected), (n, k)
-        assert torch.equal(cpu_kernels.int8_batch_mm(x, packed, scales), expected), (n, k)
 
 
 @needs_kernel
@@ -74,7 +66,7 @@ def test_kernel_error_against_the_float_matmul_is_small(dtype):
 
 @needs_kernel
 def test_kernel_runs_inside_a_compiled_graph():
-    x, weight, scales = _case(3, 100, 576, torch.bfloat16)
+    x, weight, scales = _case(3, 112, 576, torch.bfloat16)
     packed = cpu_kernels.pack(weight)
 
     def layer(x):
@@ -94,8 +86,8 @@ def test_int8_engine_packs_its_matrices_and_a_decode_does_not_depend_on_its_neig
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
         prompt, long_prompt = list(range(5, 15)), list(range(100, 160))
         [alone] = engine.generate([prompt], params)
-        # The long prompt joins mid-decode: its prefill (60 rows, past the kernel's limit) shares steps with
-        # the decode, which then runs through int8_batch_mm instead of the kernel.
+        # The long prompt joins mid-decode: its prefill (60 rows) shares steps with the decode, whose row must
+        # come out of the kernel with the same bits as when it ran alone.
         stream = engine.submit(prompt, params)
         outputs = [next(stream)]
         other = engine.submit(long_prompt, params)
