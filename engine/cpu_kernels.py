@@ -1,11 +1,12 @@
 """Tern's own CPU kernels (engine/csrc/*.cpp): built once per machine with g++, loaded as torch.ops.tern.
 
 Decode matmuls are bound by reading weights, and aten reads them at a third (`_weight_int8pack_mm`) to a half
-(bf16 matmul) of this machine's bandwidth. The kernels here read them in the order they use them, each group of
-4 rows stored chunk by chunk (`pack_rows`), and multiply with AVX512-VNNI (int8 x int8, as llama.cpp does) or
-AVX512-BF16. `engine/quant.py` uses them for every batch size: the int8 kernel when `available()`, the bf16
-kernel when `bf16_available()`. A third kernel, `paged_decode_attention`, reads decode steps' keys and values in place from
-the paged KV cache (engine/models/attention.py).
+(bf16 matmul) of this machine's bandwidth. The kernels here read them in the order they use them, packed once
+at load (int8: each group of 16 rows stored 4 columns at a time, `pack`; bf16: each group of 4 rows stored
+chunk by chunk, `pack_rows`), and multiply with AVX512-VNNI (int8 x int8, as llama.cpp does) or AVX512-BF16.
+`engine/quant.py` uses them for every batch size: the int8 kernel when `available()`, the bf16 kernel when
+`bf16_available()`. A third kernel, `paged_decode_attention`, reads decode steps' keys and values in place
+from the paged KV cache (engine/models/attention.py).
 
 The shared library is compiled with -march=native, so its cache key includes this CPU's flags as well as the
 source and torch version: a cache folder copied to another machine rebuilds instead of crashing.
