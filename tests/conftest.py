@@ -18,6 +18,7 @@ from engine.loader import LoadedModel, build_native, default_cache_dir, resolve_
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
+SERVER_PIDS: dict[str, int] = {}  # base URL -> process id of the servers the fixtures started
 
 
 @pytest.fixture(scope="session")
@@ -171,6 +172,7 @@ def stop_server(process: subprocess.Popen) -> None:
 def live_server(default_checkpoint):
     """The real server on the default model (fp32), shared by the end-to-end tests. Yields its base URL."""
     process, base_url, log_path = start_server("--dtype", "float32", log_name="live-server")
+    SERVER_PIDS[base_url] = process.pid
     try:
         wait_healthy(process, base_url, log_path)
         yield base_url

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import ARTIFACTS
+from conftest import ARTIFACTS, SERVER_PIDS
 
 pytestmark = pytest.mark.slow
 
@@ -229,6 +230,24 @@ def test_metrics_count_requests_tokens_and_latencies(http):
     for gauge in ("tern_num_requests_running", "tern_num_requests_waiting", "tern_kv_cache_usage_ratio"):
         assert gauge in after
     assert 0.0 <= after["tern_kv_cache_usage_ratio"] <= 1.0
+
+
+def _wake_ups(pid: int) -> int:
+    """How many times the server's main thread (its event loop) has gone to sleep and been woken so far."""
+    status = Path(f"/proc/{pid}/task/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("voluntary_ctxt_switches")))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the thread's counters from Linux's /proc")
+def test_an_idle_server_leaves_the_cpu_alone(http, live_server):
+    # Gradio's queue polls every 1 ms by default (~900 wake-ups a second here); each one takes a core and the GIL
+    # from the engine's threads. ui/__init__.py slows the polling down to 20 ms.
+    http.get("/health")
+    pid = SERVER_PIDS[live_server]
+    before, started = _wake_ups(pid), time.monotonic()
+    time.sleep(2.0)
+    per_second = (_wake_ups(pid) - before) / (time.monotonic() - started)
+    assert per_second < 250, f"the idle event loop woke {per_second:.0f} times a second"
 
 
 # The schema.
