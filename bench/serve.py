@@ -5,7 +5,8 @@
 
 Each level runs `concurrency` clients that each send requests back to back until the level has sent its quota
 (by default twice the concurrency, at least 4). Prompts are cut from a fixed seeded text to about
---prompt-tokens tokens (counted by the server's own usage numbers). Every request asks for exactly --max-tokens
+--prompt-tokens tokens (counted by the server's own usage numbers), a different one for every request of the
+sweep, so a prefix cache cannot carry one level over to the next. Every request asks for exactly --max-tokens
 tokens (`ignore_eos` and `min_tokens`, which Tern and vLLM honour and other servers ignore;
 --openai-fields-only leaves them out for servers that refuse them, transformers serve among them).
 
@@ -93,9 +94,15 @@ async def one_request(client: httpx.AsyncClient, args, index: int, prompt_tokens
     return result
 
 
-async def run_level(args, concurrency: int, intruder_tokens: int = 0) -> dict:
-    quota = args.requests_per_level or max(4, 2 * concurrency)
-    counter = iter(range(quota))
+def level_quota(args, concurrency: int) -> int:
+    return args.requests_per_level or max(4, 2 * concurrency)
+
+
+async def run_level(args, concurrency: int, first_index: int, intruder_tokens: int = 0) -> dict:
+    """Requests first_index, first_index + 1, ... (and the intruder the next one): no two requests of a sweep
+    share a prompt, so a server's prefix cache never serves one level from an earlier level's prompts."""
+    quota = level_quota(args, concurrency)
+    counter = iter(range(first_index, first_index + quota))
     results: list[RequestResult] = []
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=concurrency + 4)
@@ -108,7 +115,7 @@ async def run_level(args, concurrency: int, intruder_tokens: int = 0) -> dict:
         async def intruder() -> None:
             # One long prompt lands while the others decode: chunked prefill should keep their pace steady.
             await asyncio.sleep(args.intruder_delay)
-            await one_request(client, args, 10_000, prompt_tokens=intruder_tokens, max_tokens=1)
+            await one_request(client, args, first_index + quota, prompt_tokens=intruder_tokens, max_tokens=1)
 
         start = time.perf_counter()
         extra = [intruder()] if intruder_tokens else []
@@ -169,11 +176,11 @@ async def main_async(args) -> list[dict]:
         async with httpx.AsyncClient(base_url=args.base_url, timeout=30) as client:
             headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
             args.model = (await client.get("/models", headers=headers)).json()["data"][0]["id"]
-    rows = []
+    rows, next_index = [], 0
     for concurrency in args.concurrency:
-        rows.append(await run_level(args, concurrency))
-        if args.intruder_tokens:
-            rows.append(await run_level(args, concurrency, args.intruder_tokens))
+        for intruder_tokens in (0, args.intruder_tokens) if args.intruder_tokens else (0,):
+            rows.append(await run_level(args, concurrency, next_index, intruder_tokens))
+            next_index += level_quota(args, concurrency) + 1
     return rows
 
 
