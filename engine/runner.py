@@ -100,7 +100,7 @@ class ModelRunner:
         else:
             groups = [self._group(batch, starts, offsets, list(range(len(lengths))), with_rows=False)]
 
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups, self.decode_kernel)
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
         return input_ids, torch.tensor(positions, dtype=torch.long, device=device), meta
 
@@ -132,18 +132,19 @@ class ModelRunner:
         if with_rows:
             rows = torch.tensor([offsets[i] + j for i, n in zip(members, lengths) for j in range(n)], device=device)
 
+        in_kernel = is_decode and self.decode_kernel  # the kernel reads context_lens and needs no mask
         is_causal = True
         if all(start == 0 for start in starts):
             attn_mask = None  # a fresh prefill of every sequence: plain causal attention over its own tokens
-        elif is_decode and num_seqs == 1:
-            attn_mask, is_causal = None, False  # one query that sees its whole context
+        elif is_decode and (num_seqs == 1 or in_kernel):
+            attn_mask, is_causal = None, False  # one query per sequence that sees its whole context
         else:
             starts_t = torch.tensor(starts, device=device)
             query_pos = starts_t[:, None] + query_j[None]  # [B, Q]
             attn_mask = (key_pos[None, None] <= query_pos[:, :, None]) & (key_pos[None, None] < context_lens[:, None, None])
             attn_mask = attn_mask[:, None]  # [B, 1, Q, L]
         return AttentionGroup(query_index, output_index, context_slots, attn_mask, is_causal, is_decode, rows,
-                              context_lens if is_decode else None)
+                              context_lens if in_kernel else None)
 
 
 def _marked_dynamic(compiled_forward):

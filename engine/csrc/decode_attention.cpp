@@ -92,15 +92,23 @@ inline void store_floats(uint16_t* p, const float* values, int64_t n) {
   for (int64_t i = 0; i < n; ++i) p[i] = round_to_bf16_bits(values[i]);
 }
 
+// A thread's working memory, reused by every pair it attends to.
+struct Scratch {
+  std::vector<float> query, scores, acc;
+};
+
 // One (sequence, KV head) pair: its G query heads against its context.
 template <typename T>
 void attend_pair(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, int64_t length,
                  int64_t row_stride, int64_t G, int64_t D, float scale, bool round_like_bf16, T* out,
-                 std::vector<float>& scores, std::vector<float>& acc) {
+                 Scratch& scratch) {
   const int64_t vectors = D / kLanes;
+  std::vector<float>& query = scratch.query;
+  std::vector<float>& scores = scratch.scores;
+  std::vector<float>& acc = scratch.acc;
+  query.resize(G * D);
   scores.resize(G * length);
   acc.assign(G * D, 0.0f);
-  std::vector<float> query(G * D);
   for (int64_t i = 0; i < G * D; i += kLanes) _mm512_storeu_ps(&query[i], load_floats(q + i));
   for (int64_t l = 0; l < length; ++l) {
     if (l + kPrefetch < length) prefetch_row(k_cache + slots[l + kPrefetch] * row_stride, D);
@@ -155,12 +163,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = lengths.data_ptr<int64_t>();
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc;
+    Scratch scratch;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t length = std::min(lp[b], L);
       attend_pair<T>(qp + (b * H + h * G) * D, kp + h * D, vp + h * D, sp + b * L, length, Hkv * D, G, D,
-                     static_cast<float>(scale), round_like_bf16, op + (b * H + h * G) * D, scores, acc);
+                     static_cast<float>(scale), round_like_bf16, op + (b * H + h * G) * D, scratch);
     }
   });
 }

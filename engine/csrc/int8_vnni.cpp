@@ -87,21 +87,6 @@ inline __m256i to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16));
 }
 
-inline __mmask16 tail_mask(int64_t n, int64_t end) {
-  return n + 16 <= end ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (end - n)) - 1);
-}
-
-inline void store16(void* out, int64_t index, __m512 v, __mmask16 mask, bool bf16) {
-  if (bf16) _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + index, mask, to_bf16(v));
-  else _mm512_mask_storeu_ps(static_cast<float*>(out) + index, mask, v);
-}
-
-inline __m512 load_scales16(const void* base, int64_t index, __mmask16 mask, bool bf16) {
-  if (!bf16) return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(base) + index);
-  const __m256i raw = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(base) + index);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 // out[m, 16 rows of group] for MB activation rows against one packed group. Each block's dot product is an
 // exact integer; the float steps after it (acc += dot * x_scale, one block after another, then * w_scale, no
 // fused multiply-add) are the ones cpu_kernels.int8_reference takes, so the two agree bit for bit.
@@ -166,7 +151,7 @@ at::Tensor int8_vnni_mm(const at::Tensor& x, const at::Tensor& w_packed, const a
   at::parallel_for(0, N / kGroupRows, 4, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* wg = w + g * kGroupRows * K;
-      const __m512 scale = load_scales16(ws, g * kGroupRows, static_cast<__mmask16>(0xFFFF), bf16_scales);
+      const __m512 scale = load_floats(ws, g * kGroupRows, bf16_scales);  // the group's 16 row scales
       void* og = bf16 ? static_cast<void*>(static_cast<uint16_t*>(o) + g * kGroupRows)
                       : static_cast<void*>(static_cast<float*>(o) + g * kGroupRows);
       // The group's weights (16 x K bytes) stay in L1 while every tile of activation rows uses them, and the

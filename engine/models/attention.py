@@ -26,7 +26,9 @@ class AttentionGroup:
     is_causal: bool = True  # with no mask: causal over each sequence's own tokens (False: attend to all L)
     is_decode: bool = False  # one new token per sequence (Q == 1): no padding to gather or scatter
     rows: torch.Tensor | None = None  # the group's tokens in T; None: all of T, in order
-    context_lens: torch.Tensor | None = None  # [B] context positions each sequence attends to (decode groups)
+    # [B] context positions each sequence attends to. Set only on decode groups that Tern's CPU kernel serves
+    # (cpu_kernels.paged_decode_attention), which then need neither a mask nor a gathered copy.
+    context_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -36,7 +38,6 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     groups: list[AttentionGroup]
-    decode_kernel: bool = False  # decode groups run cpu_kernels.paged_decode_attention (needs context_lens)
 
 
 def paged_attention(
@@ -53,16 +54,16 @@ def paged_attention(
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     if len(meta.groups) == 1 and meta.groups[0].rows is None:
-        return _attend(q, k_cache, v_cache, meta.groups[0], scale, meta.decode_kernel)
+        return _attend(q, k_cache, v_cache, meta.groups[0], scale)
     out = q.new_empty(q.shape[0], q.shape[1] * k.shape[2])
     for group in meta.groups:
-        out.index_copy_(0, group.rows, _attend(q, k_cache, v_cache, group, scale, meta.decode_kernel))
+        out.index_copy_(0, group.rows, _attend(q, k_cache, v_cache, group, scale))
     return out
 
 
-def _attend(q, k_flat, v_flat, group: AttentionGroup, scale: float, decode_kernel: bool) -> torch.Tensor:
+def _attend(q, k_flat, v_flat, group: AttentionGroup, scale: float) -> torch.Tensor:
     """Attention output of the group's tokens, [rows, H*D], in the order of group.rows."""
-    if group.is_decode and decode_kernel:
+    if group.context_lens is not None:
         q_rows = q if group.rows is None else q.index_select(0, group.rows)  # [B, H, D]
         return cpu_kernels.paged_decode_attention(
             q_rows.contiguous(), k_flat, v_flat, group.context_slots, group.context_lens, scale)
