@@ -30,10 +30,15 @@ class ServerSettings:
 
 def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineConfig, bool]:
     env = os.environ.get
+    from engine import kernels
+
+    path, why = kernels.planned_path()
     parser = argparse.ArgumentParser(
         prog="python app.py",
         description="Tern: an LLM server with an OpenAI-compatible API at /v1 and a web UI at /. "
         "Every flag can also be set with the TERN_* environment variable named in its help.",
+        epilog=f"CPU kernels on this machine: {kernels.describe_path(path)}; {why}. "
+        f"{kernels.ENV_VAR}=avx512|avx2|off forces a path.",
     )
     parser.add_argument("--host", default=env("TERN_HOST", "0.0.0.0"), help="address to bind (default %(default)s; TERN_HOST)")
     parser.add_argument("--port", type=int, default=int(env("TERN_PORT", "7860")), help="port (default %(default)s; TERN_PORT)")
@@ -46,7 +51,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
     parser.add_argument("--dtype", choices=DTYPES, default=env("TERN_DTYPE", "auto"), help="weights and compute dtype (TERN_DTYPE)")
     parser.add_argument("--device", choices=DEVICES, default=env("TERN_DEVICE", "auto"), help="cpu or cuda (TERN_DEVICE)")
     parser.add_argument(
-        "--quantization", choices=QUANTIZATIONS, default=env("TERN_QUANTIZATION", "none"), help="weights: int8 is the fast CPU path; bnb-* use bitsandbytes (TERN_QUANTIZATION)"
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=env("TERN_QUANTIZATION", "auto"),
+        help="weights: auto = int8 on CPU, none on CUDA; int4 = 4-bit groups (GGUF's Q4_1), the fastest on CPU; "
+        "bnb-* use bitsandbytes (TERN_QUANTIZATION)",
     )
     parser.add_argument(
         "--max-model-len", type=int, default=_int_env("TERN_MAX_MODEL_LEN"), help="context length cap (TERN_MAX_MODEL_LEN)"
@@ -77,8 +86,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=env("TERN_COMPILE", "1").lower() in ("1", "true", "yes"),
-        help="torch.compile the decode step (none/int8 weights): about 1.8x faster int8 single stream on CPU, "
-        "a few minutes of compiling on the first start, cached after; --no-compile starts in seconds (TERN_COMPILE)",
+        help="torch.compile the decode step (none/int8/int4 weights). On CPU the server answers at once with the "
+        "eager step and switches to the compiled one when it is built (minutes on the first start, ~20 s later) "
+        "(TERN_COMPILE)",
     )
     parser.add_argument(
         "--cuda-graphs",
@@ -90,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
     parser.add_argument(
         "--served-model-name", default=env("TERN_SERVED_MODEL_NAME"), help="model id clients see (TERN_SERVED_MODEL_NAME)"
     )
-    parser.add_argument("--cache-dir", default=env("TERN_CACHE"), help="converted-model cache, default ~/.cache/tern (TERN_CACHE)")
+    parser.add_argument("--cache-dir", default=env("TERN_CACHE"), help="converted models and built CPU kernels, default ~/.cache/tern (TERN_CACHE)")
     parser.add_argument("--log-level", default=env("TERN_LOG_LEVEL", "info"), help="(TERN_LOG_LEVEL)")
     parser.add_argument(
         "--prepare-only", action="store_true", help="convert and cache the model, then exit (used at image build time)"
@@ -148,17 +158,20 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
 def main(argv: list[str] | None = None) -> int:
     server, engine_config, prepare_only = parse_args(argv)
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine import loader
+    from engine import kernels, loader
     from pathlib import Path
 
+    cache_dir = Path(engine_config.cache_dir) if engine_config.cache_dir else loader.default_cache_dir()
+    if engine_config.device != "cuda":
+        kernels.prebuild(cache_dir)  # a first start compiles them while it converts the model
     # Resolve (and on first start, convert) the checkpoint before serving, so a bad --model is one clear line.
     try:
-        cache_dir = Path(engine_config.cache_dir) if engine_config.cache_dir else loader.default_cache_dir()
         folder, _ = loader.resolve_checkpoint(engine_config.model, cache_dir)
     except ModelLoadError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
     if prepare_only:
+        kernels.select(cache_dir)  # built now, so a container's first start does not compile them
         logger.info("model ready at %s", folder)
         return 0
 

@@ -60,5 +60,7 @@ def _card(server: Server) -> ModelCard:
         quantization=loaded.quantization,
         weight_bytes=loaded.weight_bytes,
         compiled_decode=engine.compiled_decode,
+        decode_step=engine.decode_step,
+        cpu_kernels=loaded.kernels.describe() if engine.device.type == "cpu" else "none (not a CPU)",
         weight_ratio_to_bf16=round(loaded.weight_bytes / max(loaded.bf16_weight_bytes, 1), 3),
     )

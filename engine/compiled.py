@@ -5,6 +5,11 @@ compiled, the default model's int8 single stream went from 27 to 49 tok/s on a 2
 (every sequence adds one token, the steady state of serving) run compiled. Prefill and mixed steps run the
 eager model, the compiled step's twin, which the tests compare it against token for token.
 
+Compiling takes minutes on a small CPU. There the engine serves with the eager step at once and compiles on a
+thread of its own (Engine._compile_in_background), whose warm-up decodes fake sequences in a few reserved KV
+blocks; the compiled step takes over at the next step once it is ready. On CUDA it is compiled before serving,
+because the CUDA graphs capture it.
+
 On CUDA the compiled step is what engine/cuda_graphs.py captures, one graph per (batch, context) bucket.
 
 Sizes that change every step (number of sequences, context length) are marked dynamic, so one graph serves
@@ -22,7 +27,7 @@ import torch
 from engine.models.attention import AttentionMetadata
 
 # Quantizations whose layers trace without graph breaks (bitsandbytes layers call into a C library).
-COMPILABLE_QUANTIZATIONS = ("none", "int8")
+COMPILABLE_QUANTIZATIONS = ("none", "int8", "int4")
 
 
 def unsupported_reason(is_native: bool, device: torch.device, quantization: str) -> str | None:
@@ -41,11 +46,17 @@ def unsupported_reason(is_native: bool, device: torch.device, quantization: str)
 def compile_forward(model):
     """model.forward compiled for decode steps; the eager forward stays on the model as its twin. Inductor
     caches the compiled kernels on disk (TORCHINDUCTOR_CACHE_DIR), so a restart mostly just traces again."""
-    # Dynamo counts graphs per code object, and every engine in a process compiles the same forward() (three
-    # graphs each): the default limit of 8 would send the third engine of a test run back to eager.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    allow_recompiles()
     # emulate_precision_casts: round to bf16 wherever eager does, so greedy tokens match the eager step.
     return torch.compile(model.forward, fullgraph=True, options={"emulate_precision_casts": True})
+
+
+def allow_recompiles() -> None:
+    """Raise dynamo's recompile limit for the calling thread (its config is per thread): dynamo counts graphs
+    per code object, and every engine in a process compiles the same forward() (three graphs each), so the
+    default limit of 8 would send the third engine of a test run back to eager. Call it on every thread that
+    runs the compiled forward."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
 
 def mark_dynamic(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -78,9 +89,12 @@ def warmup_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted({1, min(2, max_num_seqs), max_num_seqs})
 
 
+WARMUP_BLOCKS = 3  # KV blocks the warm-up's fake sequences write into (reserved while it runs)
+
+
 def warmup_context_len(batch_sizes: list[int], block_size: int, num_blocks: int) -> int:
-    """A context length that fits the cache and equals no batch size: torch gives equal sizes one symbol while
-    tracing, which would tie the graph to batch size == context length."""
+    """A context length that fits `num_blocks` blocks and equals no batch size: torch gives equal sizes one
+    symbol while tracing, which would tie the graph to batch size == context length."""
     length = min(2 * block_size + 3, num_blocks * block_size)
     while length in batch_sizes and length > 2:
         length -= 1

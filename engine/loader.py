@@ -5,10 +5,11 @@ file-backed pages and an mmap-backed model was seen slowing from 14 to 2 tokens/
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from engine import quant
-from engine.config import EngineConfig
+from engine import kernels, quant
+from engine.config import EngineConfig, default_cache_dir
 from engine.errors import ModelLoadError
 from engine.models.llama import NATIVE_MODEL_TYPES, LlamaForCausalLM
 
@@ -38,7 +39,8 @@ class LoadedModel:
     is_native: bool
     device: torch.device
     dtype: torch.dtype
-    quantization: str = "none"  # one of config.QUANTIZATIONS (see engine/quant.py)
+    quantization: str = "none"  # one of quant.MODES: what `auto` resolved to on this device
+    kernels: kernels.CpuKernels = kernels.CpuKernels("off", "not loaded by loader.load")  # the CPU kernel path
 
     @property
     def num_parameters(self) -> int:
@@ -59,10 +61,6 @@ class LoadedModel:
         """E.g. `int8 weights: 136 MB (0.50x bf16)`, for the start-up log and the UI."""
         ratio = self.weight_bytes / max(self.bf16_weight_bytes, 1)
         return f"{self.quantization} weights: {self.weight_bytes / 1e6:.0f} MB ({ratio:.2f}x bf16)"
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("TERN_CACHE") or Path.home() / ".cache" / "tern")
 
 
 def default_gguf_path() -> Path:
@@ -104,8 +102,10 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".convert-"))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        hf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        with _gguf_read_once():
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            hf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                            dtype=torch.float32)
         # The weights are plain fp32 now; the config must not claim they are still GGUF-quantized.
         if hasattr(hf_model.config, "quantization_config"):
             del hf_model.config.quantization_config
@@ -119,6 +119,29 @@ def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+@contextlib.contextmanager
+def _gguf_read_once():
+    """transformers parses the GGUF file three times (config, tokenizer, weights; its 49,152-entry vocabulary
+    one numpy view at a time) and builds gguf's tensor-name map once per module (397 times for SmolLM2): ~25 s of
+    a first start on 2 cores. Within this block each file is parsed once and each map built once."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[str, object] = {}
+
+    def read_once(path, *args, **kwargs):
+        key = str(Path(path).resolve())
+        if key not in readers:
+            readers[key] = reader(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read_once, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 def choose_device(device: str) -> torch.device:
@@ -143,18 +166,29 @@ def load(config: EngineConfig) -> LoadedModel:
     cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
     device = choose_device(config.device)
     dtype = choose_dtype(config.dtype, device)
-    quant.check_supported(config.quantization, device, dtype)  # before minutes of converting or loading
+    if config.quantization != "auto":
+        quant.check_supported(config.quantization, device, dtype)  # before minutes of converting or loading
+    cpu_kernels = (kernels.select(cache_dir) if device.type == "cpu"
+                   else kernels.CpuKernels("off", f"the model runs on {device.type}"))
     folder, name = resolve_checkpoint(config.model, cache_dir)
     hf_config = AutoConfig.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     is_native = hf_config.model_type in NATIVE_MODEL_TYPES
+    # int8 and int4 quantize the checkpoint's own values, not their rounding to bf16: a checkpoint that is 4-bit
+    # already (a converted Q4_1 GGUF) then keeps its exact weights in int4. The rest is cast to dtype after.
+    quantizes_here = device.type == "cpu" and config.quantization in ("auto", "int8", "int4")
+    build_dtype = torch.float32 if quantizes_here else dtype
     if is_native:
-        model = _load_native(folder, hf_config, dtype, device)
+        model = _load_native(folder, hf_config, build_dtype, device)
     else:
-        model = _load_generic(folder, dtype, device)
+        model = _load_generic(folder, build_dtype, device)
     model.eval()
-    quant.quantize(model, config.quantization, device, dtype, double_quant=config.bnb_double_quant)
-    loaded = LoadedModel(model, tokenizer, hf_config, name, folder, is_native, device, dtype, config.quantization)
+    mode = quant.resolve_mode(config.quantization, device, model, cpu_kernels)
+    quant.quantize(model, mode, device, dtype, double_quant=config.bnb_double_quant)
+    model.to(dtype)
+    if device.type == "cpu":
+        quant.pack_for_cpu(model, cpu_kernels)
+    loaded = LoadedModel(model, tokenizer, hf_config, name, folder, is_native, device, dtype, mode, cpu_kernels)
     logger.info("loaded %s: %s", name, loaded.describe_weights())
     return loaded
 

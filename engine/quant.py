@@ -1,104 +1,79 @@
-"""Swap nn.Linear for int8 / bitsandbytes variants after loading; detect what this machine supports; count bytes.
+"""Swap nn.Linear for int8 / int4 / bitsandbytes layers after loading, then pack them for the CPU kernels; detect
+what this machine supports; count bytes.
 
 Modes (EngineConfig.quantization):
-- `int8`: int8 weights, one fp scale per output channel. On CPUs with AVX512-VNNI, every batch goes through
-  Tern's kernel (engine/cpu_kernels.py), which reads a packed copy of the weight and quantizes the activations
-  to int8 per block (as llama.cpp does); elsewhere decode-sized batches go through `aten._weight_int8pack_mm`
-  with bf16 activations, and larger ones dequantize and run one matmul.
-  The embedding is quantized too (per row), and a tied lm_head shares that int8 matrix: on SmolLM2 the tied
-  49152x576 matrix is 21% of the parameters, and leaving it in bf16 would keep the weights at ~61% of bf16.
+- `int8`: int8 weights, one fp scale per output channel. The embedding is quantized too (per row), and a tied
+  lm_head shares that int8 matrix: on SmolLM2 the tied 49152x576 matrix is 21% of the parameters, and leaving it
+  in bf16 would keep the weights at ~61% of bf16.
+- `int4`: 4-bit weights with a scale and a minimum per 32 values of a row (GGUF's Q4_1: w = d * q + m, fp16 d
+  and m), for every linear layer but the lm_head; the embedding and lm_head are int8 as in `int8`. A checkpoint
+  converted from a Q4_1 GGUF (the default model) gets its own 4-bit values back, exactly.
 - `bnb-int8` (LLM.int8(), outlier threshold 6.0), `bnb-nf4`, `bnb-fp4` (blocksize 64, compute dtype = the
   engine dtype, optional double quantization): bitsandbytes layers, as transformers' BitsAndBytesConfig builds
   them. Like transformers, they leave lm_head and the embedding unquantized, so perplexity matches the reference.
-- `none` with bf16 weights on a CPU with AVX512-BF16: the weights stay bf16, repacked for Tern's bf16 kernel
-  (`PackedBf16Linear`), which reads them at close to the memory bandwidth, for every batch size.
-Fused projections (qkv_proj, gate_up_proj) quantize per output row (int8, LLM.int8()) or in 64-element blocks
-along rows whose length is a multiple of 64 (4-bit), so fusing before quantizing changes nothing.
+- `auto` (the server's default), decided by `resolve_mode`: on CPU, `int4` where the weights are 4-bit already
+  (every linear layer's values round-trip through it exactly, as a converted Q4_1 GGUF's do) and the CPU takes
+  the AVX2 path, `int8` otherwise (AVX512 CPUs: its VNNI kernel is the measured fast path there); `none` on CUDA.
+Fused projections (qkv_proj, gate_up_proj) quantize per output row (int8, LLM.int8()) or in blocks along rows
+(4-bit), so fusing before quantizing changes nothing.
+
+`pack_for_cpu` is the step after: it swaps each layer whose shape fits for its packed twin (engine/layers.py)
+holding the operator of the kernel path chosen for this process (engine.kernels.select): int8 and int4 layers,
+and bf16 ones of the unquantized mode where the CPU has AVX512-BF16.
 """
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_kernels
+from engine.config import QUANTIZATIONS
 from engine.errors import ModelLoadError
+from engine.kernels import CpuKernels, layouts
+from engine.layers import (
+    AtenInt4Linear,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    PackedBf16Embedding,
+    PackedBf16Linear,
+    PackedInt4Linear,
+    PackedInt8Linear,
+)
 
 logger = logging.getLogger(__name__)
 
 BNB_MODES = {"bnb-int8": "int8", "bnb-nf4": "nf4", "bnb-fp4": "fp4"}
-MODES = ("none", "int8", *BNB_MODES)
+MODES = tuple(mode for mode in QUANTIZATIONS if mode != "auto")  # what `auto` resolves to is one of these
 BNB_INT8_THRESHOLD = 6.0  # transformers' BitsAndBytesConfig default (llm_int8_threshold)
-INT8PACK_MAX_ROWS = 32  # above this many rows (prefill), a GEMM beats aten._weight_int8pack_mm
+INT4_GROUP = layouts.INT4_GROUP_COLS
 
 
-class Int8Linear(nn.Module):
-    """y = x @ (weight_int8 * scales[:, None]).T + bias, without ever storing the float weight. `packed`:
-    weight_int8 holds cpu_kernels.pack's layout (uint8) for the VNNI kernel instead of int8 rows."""
-
-    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 packed: bool = False) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight_int8.shape
-        self.packed = packed
-        self.register_buffer("weight_int8", weight_int8)
-        self.register_buffer("scales", scales)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return packed_int8_linear(x, self.weight_int8, self.scales, self.bias)
-        return int8_linear(x, self.weight_int8, self.scales, self.bias)
+def resolve_mode(mode: str, device: torch.device, model: nn.Module, kernels: CpuKernels) -> str:
+    """The mode `auto` stands for with this model on this device and kernel path; any other mode as it is."""
+    if mode != "auto":
+        return mode
+    if device.type != "cpu":
+        return "none"
+    if kernels.path == "avx2" and is_4bit_already(model):
+        return "int4"  # no loss: the same values, in 30% fewer bytes than int8 and faster
+    return "int8"
 
 
-class Int8Embedding(nn.Module):
-    """Row lookup of an int8 matrix with one scale per row (the same layout a tied Int8Linear lm_head uses)."""
-
-    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, padding_idx: int | None = None,
-                 packed: bool = False) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = weight_int8.shape
-        self.padding_idx = padding_idx
-        self.packed = packed
-        self.register_buffer("weight_int8", weight_int8)
-        self.register_buffer("scales", scales)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = cpu_kernels.packed_rows(self.weight_int8, input_ids) if self.packed else self.weight_int8[input_ids]
-        return rows.to(self.scales.dtype) * self.scales[input_ids].unsqueeze(-1)
-
-
-class PackedBf16Linear(nn.Module):
-    """y = x @ weight.T + bias in bf16, the weight held in cpu_kernels.pack_rows' layout for Tern's bf16 kernel
-    (engine/csrc/bf16_gemm.cpp); F.linear on the unpacked weight is its eager twin."""
-
-    def __init__(self, weight_packed: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight_packed.shape
-        self.register_buffer("weight_packed", weight_packed)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = cpu_kernels.bf16_packed_mm(x.reshape(-1, x.shape[-1]), self.weight_packed)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-
-class PackedBf16Embedding(nn.Module):
-    """Row lookup in a bf16 matrix held in pack_rows' layout: the embedding a PackedBf16Linear lm_head is tied to."""
-
-    def __init__(self, weight_packed: torch.Tensor, padding_idx: int | None = None) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = weight_packed.shape
-        self.padding_idx = padding_idx
-        self.register_buffer("weight_packed", weight_packed)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.gather_rows(self.weight_packed, input_ids)
+def is_4bit_already(model: nn.Module) -> bool:
+    """Whether every linear layer but the lm_head holds values that int4 stores exactly (a de-quantized Q4_1)."""
+    head = _output_head(model)
+    for _, _, child in _linear_children(model):
+        if child is head:
+            continue
+        weight = _linear_weight(child)[0].detach()
+        if not layouts.can_pack_int4(weight.cpu()):
+            return False
+        q, d, m = quantize_int4(weight)
+        if not torch.equal(layouts.dequantize_int4(layouts.pack_int4(q, d, m)), weight.float()):
+            return False
+    return True
 
 
 def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,42 +84,26 @@ def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
     return weight_int8.contiguous(), scales.to(dtype)
 
 
-def int8_linear(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
-    """The int8 matmul: aten's packed CPU kernel for decode-sized bf16 batches, else the portable path."""
-    rows = x.numel() // x.shape[-1]
-    if _has_int8pack_mm() and x.device.type == "cpu" and x.dtype == torch.bfloat16 and rows <= INT8PACK_MAX_ROWS:
-        return int8pack_linear(x, weight_int8, scales, bias)
-    return dequantized_linear(x, weight_int8, scales, bias)
-
-
-def packed_int8_linear(x, packed, scales, bias=None) -> torch.Tensor:
-    """The VNNI kernel, for every batch size: each row gets the same bits alone or in any batch, so a
-    sequence's tokens do not depend on what else shares its step."""
-    out = cpu_kernels.int8_vnni_mm(x.reshape(-1, x.shape[-1]), packed, scales)
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], packed.shape[0])
-
-
-def int8pack_linear(x, weight_int8, scales, bias=None) -> torch.Tensor:
-    """aten._weight_int8pack_mm (CPU): x [M, K] bf16/fp32, weight [N, K] int8, scales [N] of x's dtype."""
-    flat = x.reshape(-1, x.shape[-1])
-    out = torch.ops.aten._weight_int8pack_mm(flat, weight_int8, scales.to(x.dtype))
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], weight_int8.shape[0])
-
-
-def dequantized_linear(x, weight_int8, scales, bias=None) -> torch.Tensor:
-    """The eager twin of int8pack_linear, used on CUDA and wherever the aten op is missing or slower."""
-    out = F.linear(x, weight_int8.to(x.dtype)) * scales.to(x.dtype)
-    return out if bias is None else out + bias
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 per 32 values of a row: (q uint8 [N, K] in 0..15, d fp16 [N, K/32], m fp16 [N, K/32]), w ~ d * q + m.
+    The minimum and the step are rounded to fp16 first and q computed from them, so a block that already holds
+    16 evenly spaced levels (a de-quantized Q4_1 block) gets its own q, d and m back."""
+    rows, cols = weight.shape
+    blocks = weight.detach().float().reshape(rows, cols // INT4_GROUP, INT4_GROUP)
+    minimum = blocks.amin(dim=-1).to(torch.float16)
+    step = ((blocks.amax(dim=-1) - minimum.float()) / 15).to(torch.float16)
+    safe_step = torch.where(step > 0, step.float(), torch.ones_like(step, dtype=torch.float32))
+    q = torch.round((blocks - minimum.float().unsqueeze(-1)) / safe_step.unsqueeze(-1)).clamp(0, 15)
+    q = torch.where(step.unsqueeze(-1) > 0, q, torch.zeros_like(q))
+    return q.to(torch.uint8).reshape(rows, cols), step, minimum
 
 
 def unsupported_reason(mode: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str | None:
     """None when `mode` runs on this machine, else one line naming what is missing."""
     if mode not in MODES:
         return f"unknown quantization {mode!r}; choose one of {', '.join(MODES)}"
+    if mode == "int4" and device.type != "cpu":
+        return "--quantization int4 runs on CPUs (Tern's kernel or aten's int4pack); on CUDA use bnb-nf4"
     if mode not in BNB_MODES:
         return None
     try:
@@ -169,79 +128,78 @@ def check_supported(mode: str, device: torch.device, dtype: torch.dtype) -> None
 
 
 def quantize(model: nn.Module, mode: str, device: torch.device, dtype: torch.dtype, double_quant: bool = False) -> None:
-    """Replace the model's linear layers in place (after loading and fusing); raise ModelLoadError if `mode`
-    cannot run here. `dtype` is the activation/compute dtype; `double_quant` applies to the 4-bit modes."""
+    """Replace the model's linear layers in place with plain quantized ones (after loading and fusing); raise
+    ModelLoadError if `mode` cannot run here. `dtype` is the activation/compute dtype; `double_quant` applies to
+    the bnb 4-bit modes. `none` changes nothing."""
     if mode == "none":
-        if device.type == "cpu" and dtype == torch.bfloat16:
-            pack_bf16_for_cpu_kernel(model)
         return
     check_supported(mode, device, dtype)
     head, embedding = _output_head(model), _input_embedding(model)
     for parent, name, child in _linear_children(model):
         if child is head:
-            # bnb modes keep it in the model dtype, as transformers' BitsAndBytesConfig does (parity); int8
-            # quantizes it below, together with the embedding it may be tied to.
+            # bnb modes keep it in the model dtype, as transformers' BitsAndBytesConfig does (parity); int8 and
+            # int4 quantize it to int8 below, together with the embedding it may be tied to.
             continue
+        weight, bias = _linear_weight(child)
+        bias = None if bias is None else bias.detach().to(dtype)
         if mode == "int8":
-            weight, bias = _linear_weight(child)
-            new = Int8Linear(*quantize_int8(weight, dtype), None if bias is None else bias.detach().to(dtype))
+            new = Int8Linear(*quantize_int8(weight, dtype), bias)
+        elif mode == "int4" and layouts.can_pack_int4(weight.cpu()):
+            new = Int4Linear(layouts.pack_int4(*quantize_int4(weight)), bias)
+        elif mode == "int4":  # a shape the 4-bit layout cannot hold (rows not in 8s, columns not in 32s)
+            new = Int8Linear(*quantize_int8(weight, dtype), bias)
         else:
             new = _bnb_layer(child, mode, dtype, double_quant)
         setattr(parent, name, new.to(device).eval())
-    if mode == "int8":
+    if mode in ("int8", "int4"):
         _quantize_head_and_embedding(model, head, embedding, dtype, device)
-        if device.type == "cpu" and dtype in (torch.bfloat16, torch.float32):
-            pack_for_cpu_kernel(model)
 
 
-def pack_for_cpu_kernel(model: nn.Module) -> None:
-    """Give every Int8Linear (and an embedding sharing its matrix) the VNNI kernel's layout, where the kernel
-    builds on this machine and the shape fits; the rest keep int8 rows. Logs why when the kernel is missing."""
-    reason = cpu_kernels.unsupported_reason()
-    if reason:
-        logger.info("int8 matmul: aten._weight_int8pack_mm (Tern's VNNI kernel: %s)", reason)
-        return
-    # id(int8 rows) -> (those rows, their packed copy): tied modules keep sharing one matrix.
-    packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for module in model.modules():
-        if isinstance(module, Int8Linear) and not module.packed and cpu_kernels.can_pack(module.weight_int8):
-            rows = module.weight_int8
-            packed.setdefault(id(rows), (rows, cpu_kernels.pack(rows)))
-    for module in model.modules():
-        if isinstance(module, (Int8Linear, Int8Embedding)) and id(module.weight_int8) in packed:
-            module.weight_int8, module.packed = packed[id(module.weight_int8)][1], True
-    logger.info("int8 matmul: Tern's VNNI kernel for %d of the int8 matrices", len(packed))
-
-
-def pack_bf16_for_cpu_kernel(model: nn.Module) -> None:
-    """Swap every bf16 linear layer whose shape fits for a PackedBf16Linear (and an embedding tied to one for a
-    PackedBf16Embedding sharing its matrix), where the bf16 kernel runs on this CPU; the rest stay as they are."""
-    if not cpu_kernels.bf16_available():
-        reason = cpu_kernels.unsupported_reason() or f"this CPU lacks {cpu_kernels.BF16_CPU_FLAG}"
-        logger.info("bf16 matmul: aten's (Tern's bf16 kernel: %s)", reason)
-        return
-    packed: dict[int, torch.Tensor] = {}  # data_ptr of a weight -> its packed copy: tied layers share one
-    for parent, name, child in _linear_children(model):
-        weight, bias = _linear_weight(child)
-        if weight.dtype == torch.bfloat16 and cpu_kernels.can_pack(weight):
-            key = weight.data_ptr()
-            if key not in packed:
-                packed[key] = cpu_kernels.pack_rows(weight.detach().contiguous())
-            setattr(parent, name, PackedBf16Linear(packed[key], None if bias is None else bias.detach()))
+def pack_for_cpu(model: nn.Module, kernels: CpuKernels) -> None:
+    """Swap every plain int8 / int4 layer (and, where the CPU has AVX512-BF16, every bf16 nn.Linear) whose shape
+    fits for its packed twin holding `kernels`' operator; without a kernel, int4 layers go to aten's int4pack.
+    Tied layers keep sharing one matrix. Logs how many matrices each kernel serves."""
+    counts: dict[str, int] = {}
+    int8_packed: dict[int, torch.Tensor] = {}  # id(int8 rows) -> their packed copy
+    bf16_packed: dict[int, torch.Tensor] = {}  # data_ptr of a bf16 weight -> its packed copy
+    for parent, name, child in [(p, n, c) for p in model.modules() for n, c in p.named_children()]:
+        new = None
+        if isinstance(child, Int8Linear) and kernels.int8_mm and layouts.can_pack_int8(child.weight_int8):
+            rows = child.weight_int8
+            if id(rows) not in int8_packed:
+                int8_packed[id(rows)] = layouts.pack_int8(rows)
+            new = PackedInt8Linear(int8_packed[id(rows)], child.scales, child.bias, kernels.int8_mm)
+        elif type(child) is Int4Linear and child.weight_packed.device.type == "cpu":
+            new = (PackedInt4Linear(child.weight_packed, child.bias, kernels.int4_mm) if kernels.int4_mm
+                   else AtenInt4Linear(child.weight_packed, child.bias))
+        elif (type(child) is nn.Linear and kernels.bf16_mm and child.weight.dtype == torch.bfloat16
+              and layouts.can_pack_bf16(child.weight)):
+            key = child.weight.data_ptr()
+            if key not in bf16_packed:
+                bf16_packed[key] = layouts.pack_bf16(child.weight.detach().contiguous())
+            new = PackedBf16Linear(bf16_packed[key], None if child.bias is None else child.bias.detach(),
+                                   kernels.bf16_mm)
+        if new is not None:
+            setattr(parent, name, new)
+            counts[type(new).__name__] = counts.get(type(new).__name__, 0) + 1
     embedding = _input_embedding(model)
-    if isinstance(embedding, nn.Embedding) and embedding.weight.data_ptr() in packed:
-        _replace(model, embedding, PackedBf16Embedding(packed[embedding.weight.data_ptr()], embedding.padding_idx))
-    logger.info("bf16 matmul: Tern's bf16 kernel for %d of the matrices", len(packed))
+    if isinstance(embedding, Int8Embedding) and id(embedding.weight_int8) in int8_packed:
+        embedding.weight_int8, embedding.packed = int8_packed[id(embedding.weight_int8)], True
+    if isinstance(embedding, nn.Embedding) and embedding.weight.data_ptr() in bf16_packed:
+        _replace(model, embedding, PackedBf16Embedding(bf16_packed[embedding.weight.data_ptr()], embedding.padding_idx))
+    if counts:
+        logger.info("packed for the %s kernels: %s", kernels.path,
+                    ", ".join(f"{n} {name}" for name, n in sorted(counts.items())))
 
 
 def num_parameters(model: nn.Module) -> int:
     """Parameters as the float model had them (a 4-bit or int8 weight counts as its logical shape)."""
     total, seen = 0, set()
     for module in model.modules():
-        for weight in _packed_weights(module):
-            if id(weight) not in seen:
-                seen.add(id(weight))
-                total += weight.numel()
+        weight = _packed_weight(module)
+        if weight is not None and id(weight) not in seen:
+            seen.add(id(weight))
+            total += module.out_features * module.in_features if hasattr(module, "out_features") else weight.numel()
         for param in module.parameters(recurse=False):
             if id(param) not in seen:
                 seen.add(id(param))
@@ -250,13 +208,12 @@ def num_parameters(model: nn.Module) -> int:
     return total
 
 
-def _packed_weights(module: nn.Module) -> list[torch.Tensor]:
-    """The weight matrices a Tern layer keeps as buffers rather than parameters."""
-    if isinstance(module, (Int8Linear, Int8Embedding)):
-        return [module.weight_int8]
-    if isinstance(module, (PackedBf16Linear, PackedBf16Embedding)):
-        return [module.weight_packed]
-    return []
+def _packed_weight(module: nn.Module) -> torch.Tensor | None:
+    """The weight matrix a Tern layer keeps as a buffer rather than a parameter."""
+    for name in ("weight_int8", "weight_packed", "weight_int4pack"):
+        if isinstance(getattr(module, name, None), torch.Tensor):
+            return getattr(module, name)
+    return None
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -359,11 +316,6 @@ def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
     slots = [(parent, name) for parent in model.modules() for name, child in parent.named_children() if child is old]
     for parent, name in slots:
         setattr(parent, name, new)
-
-
-@functools.cache
-def _has_int8pack_mm() -> bool:
-    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
 def _import_bitsandbytes():

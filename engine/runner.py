@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import compiled, cpu_kernels
+from engine import compiled
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.models.attention import AttentionGroup, AttentionMetadata
@@ -25,16 +25,18 @@ class StepLogits:
 class ModelRunner:
     """Runs the native model against the paged KV cache. Owns nothing but scratch; called from one thread."""
 
-    def __init__(self, model, kv_cache: KVCache, device: torch.device, compiled_forward=None) -> None:
+    def __init__(self, model, kv_cache: KVCache, device: torch.device, decode_attention=None) -> None:
         self.graphs: DecodeGraphs | None = None  # replays decode steps on CUDA when set; see engine/cuda_graphs.py
         self.model = model
         self.kv_cache = kv_cache
         self.kv_layers = kv_cache.layers()
         self.block_size = kv_cache.block_size
         self.device = device
-        self.compiled_forward = compiled_forward  # runs decode steps when set; see engine/compiled.py
-        # Decode attention reads the cache in place on CPU (engine/csrc/decode_attention.cpp); off: matmuls.
-        self.decode_kernel = cpu_kernels.decode_attention_usable(device, kv_cache.dtype, kv_cache.head_dim)
+        self.compiled_forward = None  # runs decode steps once set (use_compiled); see engine/compiled.py
+        # The CPU kernel that reads decode steps' keys and values in place (engine.kernels); None: matmuls.
+        usable = (device.type == "cpu" and kv_cache.dtype in (torch.bfloat16, torch.float32)
+                  and kv_cache.head_dim % 16 == 0)
+        self.decode_attention = decode_attention if usable else None
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, samples: list[bool], wants_prompt: list[bool]) -> StepLogits:
@@ -47,10 +49,10 @@ class ModelRunner:
                     logits = logits[[i for i, s in enumerate(samples) if s]]
                 return StepLogits(logits, {})
         input_ids, positions, meta = self._prepare(batch)
-        forward = self.model.forward
-        if self.compiled_forward is not None and len(meta.groups) == 1 and meta.groups[0].is_decode:
+        forward, compiled_forward = self.model.forward, self.compiled_forward  # read once: another thread sets it
+        if compiled_forward is not None and len(meta.groups) == 1 and meta.groups[0].is_decode:
             compiled.mark_dynamic(input_ids, positions, meta)
-            forward = self.compiled_forward
+            forward = compiled_forward
         hidden = forward(input_ids, positions, self.kv_layers, meta)
         return _select_logits(self.model, hidden, batch, samples, wants_prompt)
 
@@ -64,18 +66,24 @@ class ModelRunner:
         if capture:
             self.graphs.capture_all()
 
-    def warmup(self, max_num_seqs: int) -> None:
-        """Compile the decode step for every batch-size regime now, so no request waits on the compiler (a no-op
-        when running eager, or when CUDA graphs capture the step)."""
-        if self.compiled_forward is None or self.graphs is not None:
-            return
+    def use_compiled(self, compiled_forward) -> None:
+        """Run decode steps with `compiled_forward` from the next step on (a step reads it once, so a step runs
+        wholly eager or wholly compiled, whichever thread calls this)."""
+        self.compiled_forward = compiled_forward
+
+    @torch.inference_mode()
+    def warm_up(self, compiled_forward, block_table: list[int], max_num_seqs: int) -> None:
+        """Compile `compiled_forward` for every batch-size regime by decoding fake sequences whose keys and values
+        land in block_table's blocks, which the caller has reserved: so it may run on another thread while this
+        runner serves requests from the rest of the cache."""
         started = time.monotonic()
         sizes = compiled.warmup_batch_sizes(max_num_seqs)
-        context_len = compiled.warmup_context_len(sizes, self.block_size, self.kv_cache.num_blocks)
-        table = list(range(-(-context_len // self.block_size)))
+        context_len = compiled.warmup_context_len(sizes, self.block_size, len(block_table))
         for size in sizes:
-            seqs = [compiled.WarmupSequence([0] * context_len, context_len - 1, table) for _ in range(size)]
-            self.run(ScheduledBatch(seqs, [1] * size), [True] * size, [False] * size)
+            seqs = [compiled.WarmupSequence([0] * context_len, context_len - 1, block_table) for _ in range(size)]
+            input_ids, positions, meta = self._prepare(ScheduledBatch(seqs, [1] * size))
+            compiled.mark_dynamic(input_ids, positions, meta)
+            compiled_forward(input_ids, positions, self.kv_layers, meta)
         logger.info("compiled the decode step for batch sizes %s in %.1f s", sizes, time.monotonic() - started)
 
     def _prepare(self, batch: ScheduledBatch):
@@ -132,11 +140,11 @@ class ModelRunner:
         if with_rows:
             rows = torch.tensor([offsets[i] + j for i, n in zip(members, lengths) for j in range(n)], device=device)
 
-        in_kernel = is_decode and self.decode_kernel  # the kernel reads context_lens and needs no mask
+        kernel = self.decode_attention if is_decode else None  # reads context_lens and needs no mask
         is_causal = True
         if all(start == 0 for start in starts):
             attn_mask = None  # a fresh prefill of every sequence: plain causal attention over its own tokens
-        elif is_decode and (num_seqs == 1 or in_kernel):
+        elif is_decode and (num_seqs == 1 or kernel is not None):
             attn_mask, is_causal = None, False  # one query per sequence that sees its whole context
         else:
             starts_t = torch.tensor(starts, device=device)
@@ -144,7 +152,7 @@ class ModelRunner:
             attn_mask = (key_pos[None, None] <= query_pos[:, :, None]) & (key_pos[None, None] < context_lens[:, None, None])
             attn_mask = attn_mask[:, None]  # [B, 1, Q, L]
         return AttentionGroup(query_index, output_index, context_slots, attn_mask, is_causal, is_decode, rows,
-                              context_lens if in_kernel else None)
+                              None if kernel is None else context_lens, kernel)
 
 
 def _marked_dynamic(compiled_forward):

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from engine import Engine, EngineConfig
+from engine import Engine, EngineConfig, kernels
 from engine.loader import LoadedModel, build_native, default_cache_dir, resolve_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,8 +70,10 @@ def tiny_config(model_type: str = "llama", vocab_size: int = 49152, **overrides)
     return AutoConfig.for_model(model_type, **common)
 
 
-def build_tiny(hf_config, tokenizer, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """(transformers model, LoadedModel for the engine) sharing the same random weights."""
+def build_tiny(hf_config, tokenizer, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               path: kernels.CpuKernels | None = None):
+    """(transformers model, LoadedModel for the engine) sharing the same random weights; on CPU the engine uses
+    `path`'s kernels (default: the ones the engine would pick here)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -87,19 +89,46 @@ def build_tiny(hf_config, tokenizer, seed: int = 0, device: str = "cpu", dtype: 
         hf_model = hf_model.to(device=device, dtype=dtype)
     else:
         model = hf_model = hf_model.to(device=device, dtype=dtype)
-    loaded = LoadedModel(model, tokenizer, hf_config, f"tiny-{hf_config.model_type}", ROOT, native, device, dtype)
+    loaded = LoadedModel(model, tokenizer, hf_config, f"tiny-{hf_config.model_type}", ROOT, native, device, dtype,
+                         kernels=(path or cpu_kernels()) if device.type == "cpu" else kernels.CpuKernels("off", "not a CPU"))
     return hf_model, loaded
 
 
+def cpu_kernels() -> kernels.CpuKernels:
+    """The kernels the engine would pick here (TERN_CPU_KERNELS forces a path), built once per session."""
+    return kernels.select(default_cache_dir())
+
+
+@pytest.fixture(params=kernels.PATHS)
+def path_kernels(request) -> kernels.CpuKernels:
+    """The operators of one kernel path (avx512, avx2, off), built for this machine: a test using it runs once per
+    path, and a path this CPU cannot take is skipped with the reason, so the summary says which ran here."""
+    try:
+        return kernels.kernels_for(request.param, default_cache_dir())
+    except kernels.KernelsUnavailable as exc:
+        pytest.skip(f"kernel path {request.param}: {exc}")
+
+
+def require_op(op, what: str):
+    """The op, or skip the test: the `off` path (and avx2, for bf16) leaves that work to aten."""
+    if op is None:
+        pytest.skip(f"this path has no {what} kernel: aten serves it")
+    return op
+
+
 def tiny_quantized_engine(model_type: str, mode: str, tokenizer, device: str = "cpu", dtype: str = "float32",
-                          **engine_config):
-    """(engine on the tiny model quantized with `mode`, float transformers twin with the same weights)."""
+                          path: kernels.CpuKernels | None = None, **engine_config):
+    """(engine on the tiny model quantized with `mode` and packed for `path`'s kernels, float transformers twin
+    with the same weights)."""
     from engine import quant
 
-    hf_model, loaded = build_tiny(tiny_config(model_type), tokenizer, seed=0, device=device, dtype=getattr(torch, dtype))
+    hf_model, loaded = build_tiny(tiny_config(model_type), tokenizer, seed=0, device=device, dtype=getattr(torch, dtype),
+                                  path=path)
     if loaded.model is hf_model:  # the generic path serves the transformers model itself: keep a float twin
         loaded.model = copy.deepcopy(hf_model)
     quant.quantize(loaded.model, mode, loaded.device, loaded.dtype)
+    if loaded.device.type == "cpu":
+        quant.pack_for_cpu(loaded.model, loaded.kernels)
     loaded.quantization = mode
     config = EngineConfig(dtype=dtype, device=device, quantization=mode, **engine_config)
     return Engine(config, loaded=loaded).start(), hf_model

@@ -40,6 +40,7 @@ def model_facts(handle: EngineHandle) -> list[list[str]]:
         ["Quantization", engine.loaded.describe_weights()],
         ["Device", str(engine.device)],
         ["Decode step", _decode_step(engine)],
+        ["CPU kernels", engine.loaded.kernels.describe() if engine.device.type == "cpu" else "none (not a CPU)"],
         ["Memory", f"{format_bytes(weight_bytes + kv_bytes)} ({format_bytes(weight_bytes)} weights + "
                    f"{format_bytes(kv_bytes)} KV cache)"],
         ["Max context", f"{engine.max_model_len:,} tokens"],
@@ -48,7 +49,8 @@ def model_facts(handle: EngineHandle) -> list[list[str]]:
 
 
 def _decode_step(engine) -> str:
-    kind = "compiled (torch.compile)" if engine.compiled_decode else "eager"
+    kind = {"compiled": "compiled (torch.compile)",
+            "compiling": "eager, while the compiled step builds in the background"}.get(engine.decode_step, "eager")
     return f"{kind}, replayed from CUDA graphs" if engine.decode_graphs else kind
 
 

@@ -1,14 +1,13 @@
 """Paged attention: write new K/V into cache slots, then attend. Prompts gather each sequence's context for SDPA;
-decode steps use Tern's CPU kernel, which reads the cache in place, where the runner says it serves them, and
-plain matmuls (its twin) elsewhere."""
+decode steps use Tern's CPU kernel, which reads the cache in place, where the runner gives them one, and plain
+matmuls (its twin) elsewhere."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
-
-from engine import cpu_kernels
 
 
 @dataclass
@@ -26,9 +25,10 @@ class AttentionGroup:
     is_causal: bool = True  # with no mask: causal over each sequence's own tokens (False: attend to all L)
     is_decode: bool = False  # one new token per sequence (Q == 1): no padding to gather or scatter
     rows: torch.Tensor | None = None  # the group's tokens in T; None: all of T, in order
-    # [B] context positions each sequence attends to. Set only on decode groups that Tern's CPU kernel serves
-    # (cpu_kernels.paged_decode_attention), which then need neither a mask nor a gathered copy.
+    # [B] context positions each sequence attends to, and the CPU kernel that serves the group (see
+    # engine.kernels: decode_attention): set only on decode groups it serves, which need no mask or copy.
     context_lens: torch.Tensor | None = None
+    kernel: Callable | None = None
 
 
 @dataclass
@@ -63,10 +63,9 @@ def paged_attention(
 
 def _attend(q, k_flat, v_flat, group: AttentionGroup, scale: float) -> torch.Tensor:
     """Attention output of the group's tokens, [rows, H*D], in the order of group.rows."""
-    if group.context_lens is not None:
+    if group.kernel is not None:
         q_rows = q if group.rows is None else q.index_select(0, group.rows)  # [B, H, D]
-        return cpu_kernels.paged_decode_attention(
-            q_rows.contiguous(), k_flat, v_flat, group.context_slots, group.context_lens, scale)
+        return group.kernel(q_rows.contiguous(), k_flat, v_flat, group.context_slots, group.context_lens, scale)
     num_kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
     # index_select (one memcpy per row) rather than advanced indexing: several times faster on CPU.
     batch, context_len = group.context_slots.shape

@@ -1,0 +1,154 @@
+// Attention of decode steps (one new query per sequence) straight from the paged KV cache, written once for
+// every instruction set: V is a small struct of vector operations (decode_attention_avx2.cpp, _avx512.cpp).
+//
+//   out[b, h*D:(h+1)*D] = softmax(scale * q[b, h] . K[b]^T) V[b], over the first context_lens[b] positions,
+//   K[b][l] = k_cache[context_slots[b, l], h / (H / Hkv)] (grouped-query heads share their KV head)
+//
+// The plain-PyTorch step gathers every sequence's context into a padded copy and runs two batched matmuls of
+// tiny matrices (3 x 64 x ~200 per KV head): ~0.8 ms per layer at 16 sequences on 2 cores, a third of the step.
+// Here each (sequence, KV head) pair reads its keys and values once, in place, with its query heads together.
+//
+// It rounds where the matmul path rounds, so the two agree to fp32 summation order: in bf16 each score is
+// rounded to bf16 before scaling (matmul's output dtype), the probabilities are rounded to bf16 before they
+// weight the values, and the output once at the end. Softmax is in fp32, as torch's. Each pair's arithmetic is
+// the same whatever else is in the batch.
+#pragma once
+
+#include "kernels.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace tern::attention {
+
+// Rows are scattered over the cache's blocks and each is a few cache lines: without asking ahead, reading
+// them waits on memory latency (a 16-sequence step's context came in at ~4 GB/s, not the ~20 the bus gives).
+constexpr int64_t kPrefetch = 16;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t D) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t offset = 0; offset < D * static_cast<int64_t>(sizeof(T)); offset += 64)
+    _mm_prefetch(bytes + offset, _MM_HINT_T0);
+}
+
+inline uint16_t round_to_bf16_bits(float value) {  // round to nearest, ties to even (finite values)
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline void store_floats(float* p, const float* values, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) p[i] = values[i];
+}
+inline void store_floats(uint16_t* p, const float* values, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) p[i] = round_to_bf16_bits(values[i]);
+}
+
+// Applies f to row[0..n) a register at a time, writing its results back, and folds them into `total` with
+// `combine`. The tail is loaded and stored under a mask, and its lanes past n leave `total` as it was: zeros
+// loaded there must not join a max (they would, for scores that are all negative, and shift the softmax).
+template <class V, typename F, typename Combine>
+inline typename V::Reg map_row(float* row, int64_t n, typename V::Reg total, F f, Combine combine) {
+  int64_t i = 0;
+  for (; i + V::kLanes <= n; i += V::kLanes) {
+    const typename V::Reg result = f(V::load(row + i));
+    V::store(row + i, result);
+    total = combine(total, result);
+  }
+  if (i < n) {
+    const typename V::Mask mask = V::tail_mask(n - i);
+    const typename V::Reg result = f(V::load_masked(row + i, mask));
+    V::store_masked(row + i, mask, result);
+    total = V::blend(mask, total, combine(total, result));
+  }
+  return total;
+}
+
+// A thread's working memory, reused by every pair it attends to.
+struct Scratch {
+  std::vector<float> query, scores, acc;
+};
+
+// One (sequence, KV head) pair: its G query heads against its context.
+template <class V, typename T>
+void attend_pair(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, int64_t length,
+                 int64_t row_stride, int64_t G, int64_t D, float scale, bool round_like_bf16, T* out,
+                 Scratch& scratch) {
+  using Reg = typename V::Reg;
+  const int64_t vectors = D / V::kLanes;
+  std::vector<float>& query = scratch.query;
+  std::vector<float>& scores = scratch.scores;
+  std::vector<float>& acc = scratch.acc;
+  query.resize(G * D);
+  scores.resize(G * length);
+  acc.assign(G * D, 0.0f);
+  for (int64_t i = 0; i < G * D; i += V::kLanes) V::store(&query[i], V::load(q + i));
+  for (int64_t l = 0; l < length; ++l) {
+    if (l + kPrefetch < length) prefetch_row(k_cache + slots[l + kPrefetch] * row_stride, D);
+    const T* key = k_cache + slots[l] * row_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      Reg dot = V::zero();
+      for (int64_t j = 0; j < vectors; ++j)
+        dot = V::fmadd(V::load(&query[g * D + j * V::kLanes]), V::load(key + j * V::kLanes), dot);
+      scores[g * length + l] = V::reduce_add(dot);
+    }
+  }
+  const Reg scale_v = V::set1(scale);
+  const auto add = [](Reg a, Reg b) { return V::add(a, b); };
+  for (int64_t g = 0; g < G; ++g) {  // softmax in fp32, as torch's: exp(s - max) / sum
+    float* row = &scores[g * length];
+    const Reg max_v = V::set1(V::reduce_max(map_row<V>(
+        row, length, V::set1(-std::numeric_limits<float>::infinity()),
+        [&](Reg s) { return V::mul(round_like_bf16 ? V::round_to_bf16(s) : s, scale_v); },
+        [](Reg a, Reg b) { return V::max(a, b); })));
+    const Reg sum = V::set1(V::reduce_add(map_row<V>(
+        row, length, V::zero(), [&](Reg s) { return V::exp(V::sub(s, max_v)); }, add)));
+    map_row<V>(row, length, V::zero(), [&](Reg e) {
+      const Reg p = V::div(e, sum);
+      return round_like_bf16 ? V::round_to_bf16(p) : p;
+    }, add);
+  }
+  for (int64_t l = 0; l < length; ++l) {
+    if (l + kPrefetch < length) prefetch_row(v_cache + slots[l + kPrefetch] * row_stride, D);
+    const T* value = v_cache + slots[l] * row_stride;
+    for (int64_t j = 0; j < vectors; ++j) {
+      const Reg v = V::load(value + j * V::kLanes);
+      for (int64_t g = 0; g < G; ++g) {
+        float* a = &acc[g * D + j * V::kLanes];
+        V::store(a, V::fmadd(V::set1(scores[g * length + l]), v, V::load(a)));
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) store_floats(out + g * D, &acc[g * D], D);
+}
+
+// Tasks [task0, task1) of p: each is one (sequence, KV head) pair.
+template <class V, typename T>
+void attend(const AttentionProblem& p, int64_t task0, int64_t task1) {
+  const int64_t G = p.H / p.Hkv;
+  const T* q = static_cast<const T*>(p.q);
+  const T* k = static_cast<const T*>(p.k_cache);
+  const T* v = static_cast<const T*>(p.v_cache);
+  T* out = static_cast<T*>(p.out);
+  Scratch scratch;
+  for (int64_t task = task0; task < task1; ++task) {
+    const int64_t b = task / p.Hkv, h = task % p.Hkv;
+    const int64_t length = std::min(p.lengths[b], p.L);
+    attend_pair<V, T>(q + (b * p.H + h * G) * p.D, k + h * p.D, v + h * p.D, p.slots + b * p.L, length,
+                      p.Hkv * p.D, G, p.D, p.scale, p.bf16, out + (b * p.H + h * G) * p.D, scratch);
+  }
+}
+
+template <class V>
+void attend(const AttentionProblem& p, int64_t task0, int64_t task1) {
+  if (p.bf16) attend<V, uint16_t>(p, task0, task1);
+  else attend<V, float>(p, task0, task1);
+}
+
+}  // namespace tern::attention

@@ -1,0 +1,81 @@
+// 4-bit weights times int8 activations on AVX2 (kernels.h: int4_groups_avx2): GGUF's Q4_1 x Q8_1 dot product,
+// laid out so that each output row stays in its own int32 lane, as in the int8 kernels.
+//
+//   y[m, n] = sum over groups g of 32 columns: x_scale[m, g] * (d[n, g] * dot(q[n, g], xq[m, g]) + m[n, g] * sum(xq[m, g]))
+//
+// A group of 8 weight rows and 32 columns is 160 bytes, read in order: 4 registers of nibbles (register j holds,
+// for each row, columns 8j..8j+3 in its low nibbles and 8j+4..8j+7 in its high ones), then the 8 rows' fp16
+// scales d and minimums m. Nibbles are unsigned (0..15) and activations signed, which is exactly what vpmaddubsw
+// multiplies; 8 of its pair sums (at most 8 * 2 * 15 * 127 = 30,480) still fit int16, so a group needs one
+// vpmaddwd to widen. Each group's float steps (acc += dot * (d * x_scale), then acc += m * (x_scale * sum)) are
+// those the tests' PyTorch reference takes, bit for bit.
+#include "avx2.h"
+#include "kernels.h"
+
+#include <algorithm>
+
+namespace tern {
+namespace {
+
+constexpr int kTileRows = 4;  // activation rows sharing each weight load
+
+template <int MB>
+inline void group_rows(const Int4Problem& p, int64_t m0, const uint8_t* w, int64_t n0, const uint8_t* prefetch) {
+  const QuantizedRows& q = *p.x;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < q.blocks; ++c) {
+    const uint8_t* wc = w + c * kInt4GroupBytes;
+    if (prefetch)
+      for (int64_t line = 0; line < kInt4GroupBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + c * kInt4GroupBytes + line), _MM_HINT_T0);
+    __m256i sums[MB];
+    const int32_t* x[MB];
+    for (int m = 0; m < MB; ++m) {
+      sums[m] = _mm256_setzero_si256();
+      x[m] = reinterpret_cast<const int32_t*>(q.values + (m0 + m) * q.K + c * kInt4GroupCols);
+    }
+    // Not unrolled: unrolled, gcc computed all 32 products first and spilled them (1.25x slower at 256 rows).
+#pragma GCC unroll 1
+    for (int j = 0; j < 4; ++j) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32 * j));
+      const __m256i lo = _mm256_and_si256(packed, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+      for (int m = 0; m < MB; ++m) {
+        sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[m][2 * j])));
+        sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[m][2 * j + 1])));
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wc + 128)));
+    const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wc + 144)));
+    for (int m = 0; m < MB; ++m) {
+      const int64_t block = (m0 + m) * q.blocks + c;
+      const float x_scale = q.scales[block];
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[m], ones));
+      acc[m] = _mm256_add_ps(acc[m], _mm256_mul_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x_scale))));
+      acc[m] = _mm256_add_ps(acc[m], _mm256_mul_ps(minimum, _mm256_set1_ps(x_scale * static_cast<float>(q.sums[block]))));
+    }
+  }
+  for (int m = 0; m < MB; ++m) avx2::store8(p.out, (m0 + m) * p.N + n0, acc[m], p.out_bf16);
+}
+
+}  // namespace
+
+void int4_groups_avx2(const Int4Problem& p, int64_t g0, int64_t g1) {
+  const int64_t group_stride = p.x->blocks * kInt4GroupBytes;  // one group of 8 rows, all of K
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = p.w + g * group_stride;
+    const uint8_t* next = g + 1 < g1 ? wg + group_stride : nullptr;
+    for (int64_t m = 0; m < p.M; m += kTileRows, next = nullptr) {
+      switch (std::min<int64_t>(kTileRows, p.M - m)) {
+        case 1: group_rows<1>(p, m, wg, g * kInt4GroupRows, next); break;
+        case 2: group_rows<2>(p, m, wg, g * kInt4GroupRows, next); break;
+        case 3: group_rows<3>(p, m, wg, g * kInt4GroupRows, next); break;
+        default: group_rows<kTileRows>(p, m, wg, g * kInt4GroupRows, next); break;
+      }
+    }
+  }
+}
+
+}  // namespace tern

@@ -1,0 +1,80 @@
+// Tern's CPU kernels as plain functions on raw pointers, one file per kernel and instruction set.
+//
+// Each <kernel>_<isa>.cpp is compiled with its own instruction-set flags and includes no torch header, so it
+// builds in about a second; ops.cpp (generic x86-64 or any CPU) checks tensors, splits the work across threads
+// with at::parallel_for and registers the torch.ops.tern.* operators that call these. A function here computes
+// a range of its problem (groups of weight rows, or attention tasks) so that threading stays in one place.
+#pragma once
+
+#include <cstdint>
+
+namespace tern {
+
+// Activations quantized to int8, one scale per block of `block` values (llama.cpp's Q8_K / Q8_1 idea):
+// values [M, K], and per (row, block) its scale (absmax / 127) and the sum of its int8 values.
+struct QuantizedRows {
+  int64_t K, block, blocks;
+  int8_t* values;
+  float* scales;
+  int32_t* sums;
+};
+
+// Rows [m0, m1) of x [M, K] (float32, or bfloat16 bits when bf16) into q: q = round_half_even(x * 127 / absmax).
+// Exact operations only (absmax, one division, one product, one rounding): every instruction set gets the same
+// bits, and so does the PyTorch reference in the tests.
+void quantize_rows_avx2(const void* x, bool bf16, int64_t m0, int64_t m1, const QuantizedRows& q);
+
+// int8 weights, one scale per row, packed [N/16][K/4][16][4] as w + 128 (engine/kernels/layouts.py). Each
+// block's dot product is an exact integer; then acc += dot * x_scale block by block, y = acc * w_scale.
+struct Int8Problem {
+  const QuantizedRows* x;
+  int64_t M, N;
+  const uint8_t* w;
+  const void* w_scale;  // [N] float32 or bfloat16
+  bool w_scale_bf16;
+  void* out;  // [M, N] float32 or bfloat16
+  bool out_bf16;
+};
+constexpr int64_t kInt8GroupRows = 16;
+void int8_groups_avx2(const Int8Problem& p, int64_t g0, int64_t g1);
+void int8_groups_avx512(const Int8Problem& p, int64_t g0, int64_t g1);
+
+// 4-bit weights with a scale d and a minimum m per 32 values of a row (w = d * q + m, q in 0..15: GGUF's Q4_1),
+// packed per group of 8 rows and 32 columns as 128 bytes of nibbles, then 8 fp16 d, then 8 fp16 m
+// (engine/kernels/layouts.py). Activations come in blocks of 32 (Q8_1): per group
+// acc += dot * (d * x_scale), then acc += m * (x_scale * sum(xq)).
+struct Int4Problem {
+  const QuantizedRows* x;
+  int64_t M, N;
+  const uint8_t* w;
+  void* out;  // [M, N] float32 or bfloat16
+  bool out_bf16;
+};
+constexpr int64_t kInt4GroupRows = 8, kInt4GroupCols = 32, kInt4GroupBytes = 160;
+void int4_groups_avx2(const Int4Problem& p, int64_t g0, int64_t g1);
+
+// bf16 x bf16 -> bf16 on AVX512-BF16, weights packed [N/4][K/32][4][32] (engine/kernels/layouts.py).
+struct Bf16Problem {
+  const uint16_t* x;
+  int64_t M, K, N;
+  const uint16_t* w;
+  uint16_t* out;
+};
+void bf16_groups_avx512(const Bf16Problem& p, int64_t g0, int64_t g1);
+
+// Decode attention read in place from a paged KV cache: tasks are (sequence, KV head) pairs, b * Hkv + h.
+struct AttentionProblem {
+  const void* q;  // [B, H, D]
+  const void* k_cache;  // [slots, Hkv, D]
+  const void* v_cache;
+  bool bf16;  // all three bf16 (else float32); the output too
+  const int64_t* slots;  // [B, L]
+  const int64_t* lengths;  // [B]
+  int64_t B, H, D, Hkv, L;
+  float scale;
+  void* out;  // [B, H * D]
+};
+void decode_attention_avx2(const AttentionProblem& p, int64_t task0, int64_t task1);
+void decode_attention_avx512(const AttentionProblem& p, int64_t task0, int64_t task1);
+
+}  // namespace tern

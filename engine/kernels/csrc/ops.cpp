@@ -1,0 +1,156 @@
+// torch.ops.tern.*: tensor checks, buffers and threading around the plain kernels of kernels.h.
+//
+// Compiled without instruction-set flags: it runs on any CPU and only calls the <kernel>_<isa>.cpp functions
+// that the build compiled for this one (TERN_WITH_AVX2, TERN_WITH_AVX512, TERN_WITH_AVX512_BF16). Which of the
+// registered operators runs is engine/kernels' decision, made once per process.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "kernels.h"
+
+namespace tern {
+namespace {
+
+constexpr int64_t kChunk = 64;  // int8 activation blocks are whole multiples of 64 values
+
+// Activations share one scale per block of up to 256 values (as llama.cpp's Q8_K): the largest of 256, 192,
+// 128, 64 that divides K. Fewer scalings per weight is what makes a batch of rows cheap.
+int64_t int8_activation_block(int64_t K) {
+  for (int64_t chunks : {4, 3, 2})
+    if (K % (chunks * kChunk) == 0) return chunks * kChunk;
+  return kChunk;
+}
+
+struct QuantizedBuffers {
+  std::vector<int8_t> values;
+  std::vector<float> scales;
+  std::vector<int32_t> sums;
+  QuantizedRows rows;
+
+  QuantizedBuffers(const at::Tensor& x, int64_t block)
+      : values(x.numel()), scales(x.numel() / block), sums(x.numel() / block) {
+    const int64_t M = x.size(0), K = x.size(1);
+    rows = QuantizedRows{K, block, K / block, values.data(), scales.data(), sums.data()};
+    const bool bf16 = x.scalar_type() == at::kBFloat16;
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { quantize_rows_avx2(x.data_ptr(), bf16, m0, m1, rows); });
+  }
+};
+
+void check_activations(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [M, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op, ": x must be bfloat16 or float32");
+}
+
+template <void (*Groups)(const Int8Problem&, int64_t, int64_t)>
+at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& w_packed, const at::Tensor& w_scale) {
+  const at::Tensor x = x_in.contiguous();
+  check_activations(x, "int8_mm");
+  TORCH_CHECK(w_packed.dim() == 2 && x.size(1) == w_packed.size(1), "int8_mm: x must be [M, K] and w_packed [N, K]");
+  TORCH_CHECK(w_packed.scalar_type() == at::kByte && w_packed.is_contiguous(), "int8_mm: w_packed must be packed uint8");
+  TORCH_CHECK((w_scale.scalar_type() == at::kFloat || w_scale.scalar_type() == at::kBFloat16) &&
+              w_scale.is_contiguous() && w_scale.numel() == w_packed.size(0),
+              "int8_mm: w_scale must be float32 or bfloat16 [N]");
+  const int64_t M = x.size(0), K = x.size(1), N = w_packed.size(0);
+  TORCH_CHECK(K % kChunk == 0 && N % kInt8GroupRows == 0, "int8_mm: K must be a multiple of 64 and N of 16");
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const QuantizedBuffers q(x, int8_activation_block(K));
+  const Int8Problem p{&q.rows, M, N, w_packed.data_ptr<uint8_t>(), w_scale.data_ptr(),
+                      w_scale.scalar_type() == at::kBFloat16, out.data_ptr(), x.scalar_type() == at::kBFloat16};
+  at::parallel_for(0, N / kInt8GroupRows, 4, [&](int64_t g0, int64_t g1) { Groups(p, g0, g1); });
+  return out;
+}
+
+// w_packed: uint8 [N, K * 5 / 8], 160 bytes per group of 8 rows and 32 columns (kernels.h).
+at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
+  const at::Tensor x = x_in.contiguous();
+  check_activations(x, "int4_mm");
+  TORCH_CHECK(w_packed.dim() == 2 && w_packed.scalar_type() == at::kByte && w_packed.is_contiguous(),
+              "int4_mm: w_packed must be packed uint8 [N, K * 5 / 8]");
+  const int64_t M = x.size(0), K = x.size(1), N = w_packed.size(0);
+  TORCH_CHECK(K % kInt4GroupCols == 0 && N % kInt4GroupRows == 0 && w_packed.size(1) * 8 == K * 5,
+              "int4_mm: K must be a multiple of 32, N of 8, and w_packed [N, K * 5 / 8]");
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const QuantizedBuffers q(x, kInt4GroupCols);
+  const Int4Problem p{&q.rows, M, N, w_packed.data_ptr<uint8_t>(), out.data_ptr(), x.scalar_type() == at::kBFloat16};
+  at::parallel_for(0, N / kInt4GroupRows, 8, [&](int64_t g0, int64_t g1) { int4_groups_avx2(p, g0, g1); });
+  return out;
+}
+
+#ifdef TERN_WITH_AVX512_BF16
+at::Tensor bf16_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && w_packed.dim() == 2 && x.size(1) == w_packed.size(1),
+              "bf16_mm: x must be [M, K] and w_packed [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w_packed.scalar_type() == at::kBFloat16 && w_packed.is_contiguous(),
+              "bf16_mm: x and w_packed must be bfloat16, w_packed contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = w_packed.size(0);
+  TORCH_CHECK(K % 32 == 0 && N % 4 == 0, "bf16_mm: K must be a multiple of 32 and N of 4");
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const Bf16Problem p{static_cast<const uint16_t*>(x.data_ptr()), M, K, N,
+                      static_cast<const uint16_t*>(w_packed.data_ptr()), static_cast<uint16_t*>(out.data_ptr())};
+  at::parallel_for(0, N / 4, 16, [&](int64_t g0, int64_t g1) { bf16_groups_avx512(p, g0, g1); });
+  return out;
+}
+#endif
+
+template <void (*Attend)(const AttentionProblem&, int64_t, int64_t)>
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& context_slots, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
+              "decode_attention: q [B, H, D], caches [slots, Hkv, D]");
+  TORCH_CHECK(q.size(2) == k_cache.size(2) && q.size(2) % 16 == 0, "head_dim must match and be a multiple of 16");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, "decode_attention takes bf16 or fp32");
+  TORCH_CHECK(context_slots.dim() == 2 && context_slots.size(0) == q.size(0) &&
+                  context_slots.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+                  context_lens.numel() == q.size(0),
+              "context_slots [B, L] and context_lens [B] must be int64");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  const at::Tensor slots = context_slots.contiguous(), lengths = context_lens.contiguous();
+  at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
+  const AttentionProblem p{q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.scalar_type() == at::kBFloat16,
+                           slots.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), q.size(0), q.size(1), q.size(2),
+                           k_cache.size(1), slots.size(1), static_cast<float>(scale), out.data_ptr()};
+  at::parallel_for(0, p.B * p.Hkv, 1, [&](int64_t t0, int64_t t1) { Attend(p, t0, t1); });
+  return out;
+}
+
+}  // namespace
+}  // namespace tern
+
+TORCH_LIBRARY(tern, m) {
+  m.def("int8_mm_avx2(Tensor x, Tensor w_packed, Tensor w_scale) -> Tensor");
+  m.def("int4_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
+  m.def("decode_attention_avx2(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, Tensor context_lens, "
+        "float scale) -> Tensor");
+#ifdef TERN_WITH_AVX512
+  m.def("int8_mm_avx512(Tensor x, Tensor w_packed, Tensor w_scale) -> Tensor");
+  m.def("decode_attention_avx512(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, "
+        "Tensor context_lens, float scale) -> Tensor");
+#endif
+#ifdef TERN_WITH_AVX512_BF16
+  m.def("bf16_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
+#endif
+}
+
+TORCH_LIBRARY_IMPL(tern, CPU, m) {
+  m.impl("int8_mm_avx2", &tern::int8_mm<tern::int8_groups_avx2>);
+  m.impl("int4_mm_avx2", &tern::int4_mm);
+  m.impl("decode_attention_avx2", &tern::decode_attention<tern::decode_attention_avx2>);
+#ifdef TERN_WITH_AVX512
+  m.impl("int8_mm_avx512", &tern::int8_mm<tern::int8_groups_avx512>);
+  m.impl("decode_attention_avx512", &tern::decode_attention<tern::decode_attention_avx512>);
+#endif
+#ifdef TERN_WITH_AVX512_BF16
+  m.impl("bf16_mm_avx512", &tern::bf16_mm);
+#endif
+}

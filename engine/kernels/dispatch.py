@@ -1,0 +1,193 @@
+"""Which of Tern's CPU kernels run in this process, and why: decided once from the CPU's features.
+
+Paths, best first:
+- `avx512`: int8 by AVX512-VNNI, decode attention in 16-float registers, bf16 by AVX512-BF16 where the CPU has it;
+- `avx2`: int8 by vpmaddubsw (the same bits as VNNI), decode attention in 8-float registers;
+- `off`: aten's own ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) and matmul attention.
+The 4-bit kernel is AVX2 code and serves both kernel paths. TERN_CPU_KERNELS=avx512|avx2|off forces a path (the
+tests run each path the CPU supports); a forced path the CPU lacks falls back to the best it has, with a warning.
+ARM (NEON, dot-product) has no path yet: nothing here could measure or test one, so ARM CPUs take `off`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from engine.kernels import build
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "TERN_CPU_KERNELS"
+PATHS = ("avx512", "avx2", "off")  # best first
+# CPU flags (as /proc/cpuinfo names them) each path needs, and the instruction sets of kernel files it loads.
+REQUIRED_FLAGS = {
+    "avx2": ("avx2", "fma", "f16c"),
+    "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+}
+BF16_FLAG = "avx512_bf16"
+
+
+class KernelsUnavailable(RuntimeError):
+    """A path cannot run here; the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The operators one path provides; None where aten's ops or plain matmuls serve instead."""
+
+    path: str  # one of PATHS
+    reason: str  # why this path: what was asked for, or what the CPU lacks
+    int8_mm: Callable | None = None  # (x [M, K], layouts.pack_int8 weight, scales [N]) -> [M, N]
+    int4_mm: Callable | None = None  # (x [M, K], layouts.pack_int4 weight) -> [M, N]
+    bf16_mm: Callable | None = None  # (x [M, K] bf16, layouts.pack_bf16 weight) -> [M, N] bf16
+    decode_attention: Callable | None = None  # (q, k_cache, v_cache, context_slots, context_lens, scale)
+
+    def describe(self) -> str:
+        """E.g. `avx2 (int8: avx2, int4: avx2, bf16: aten, decode attention: avx2)`."""
+        return describe_path(self.path)
+
+
+def describe_path(path: str) -> str:
+    """What serves each kind of work on `path` on this CPU, e.g. `avx2 (int8: avx2, int4: avx2, bf16: aten,
+    decode attention: avx2)`; `aten` and `matmul` are torch's own ops."""
+    if path == "off":
+        parts = {"int8": "aten", "int4": "aten", "bf16": "aten", "decode attention": "matmul"}
+    else:
+        bf16 = "avx512-bf16" if path == "avx512" and BF16_FLAG in cpu_flags() else "aten"
+        parts = {"int8": "avx512-vnni" if path == "avx512" else "avx2", "int4": "avx2", "bf16": bf16,
+                 "decode attention": path}
+    return f"{path} ({', '.join(f'{kind}: {impl}' for kind, impl in parts.items())})"
+
+
+def cpu_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def unsupported_reason(path: str) -> str | None:
+    """None when `path` can run on this CPU (judged from its flags; building may still fail), else why not."""
+    if path == "off":
+        return None
+    if path not in REQUIRED_FLAGS:
+        return f"unknown kernel path {path!r} (choose one of {', '.join(PATHS)})"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"{platform.machine()} CPUs have no Tern kernels yet (NEON is not written: no machine here to test it)"
+    missing = [flag for flag in REQUIRED_FLAGS[path] if flag not in cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    if build.compiler() is None:
+        return "no C++ compiler (g++) to build the kernels"
+    return None
+
+
+def requested_path() -> str:
+    """TERN_CPU_KERNELS, or `auto`."""
+    return os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+
+
+def planned_path(requested: str | None = None) -> tuple[str, str]:
+    """(path, why) that `select` will take on this CPU, judged without building anything (for --help)."""
+    requested = requested or requested_path()
+    best = next(path for path in PATHS if unsupported_reason(path) is None)
+    if requested == "auto":
+        lacking = [f"{path}: {unsupported_reason(path)}" for path in PATHS[:PATHS.index(best)]]
+        return best, ("the best this CPU supports" if not lacking else "; ".join(lacking))
+    reason = unsupported_reason(requested)
+    if reason is None:
+        return requested, f"forced by {ENV_VAR}={requested}"
+    return best, f"{ENV_VAR}={requested} cannot run ({reason})"
+
+
+def select(cache_dir: Path, requested: str | None = None) -> CpuKernels:
+    """The kernels this process uses: the planned path, built and loaded (once), or `off` with the reason when
+    building fails. Logs the choice: WARNING when a fallback, with why."""
+    path, why = planned_path(requested)
+    try:
+        kernels = kernels_for(path, cache_dir, why)
+    except KernelsUnavailable as exc:
+        kernels = kernels_for("off", cache_dir, f"{path} could not be built: {exc}")
+    if kernels.path == "off" or (requested or requested_path()) not in ("auto", kernels.path):
+        logger.warning("CPU kernels: %s; %s", kernels.describe(), kernels.reason)
+    else:
+        logger.info("CPU kernels: %s; %s", kernels.describe(), kernels.reason)
+    return kernels
+
+
+def kernels_for(path: str, cache_dir: Path, reason: str = "") -> CpuKernels:
+    """The operators of `path`, building and loading the library once; raises KernelsUnavailable."""
+    if path == "off":
+        return CpuKernels("off", reason or f"forced by {ENV_VAR}=off")
+    problem = unsupported_reason(path)
+    if problem:
+        raise KernelsUnavailable(problem)
+    _load_library(cache_dir)
+    ops = torch.ops.tern
+    bf16 = getattr(ops, "bf16_mm_avx512", None) if path == "avx512" and BF16_FLAG in cpu_flags() else None
+    return CpuKernels(path, reason or "asked for", getattr(ops, f"int8_mm_{path}"), ops.int4_mm_avx2, bf16,
+                      getattr(ops, f"decode_attention_{path}"))
+
+
+def prebuild(cache_dir: Path) -> None:
+    """Start building the kernels the planned path needs on a thread of their own (the compiler runs in child
+    processes), so a first start builds them while it converts the model; `select` then finds them loaded."""
+    if planned_path()[0] != "off":
+        threading.Thread(target=_load_library_quietly, args=(cache_dir,), name="tern-kernel-build", daemon=True).start()
+
+
+def _load_library_quietly(cache_dir: Path) -> None:
+    try:
+        _load_library(cache_dir)
+    except KernelsUnavailable:
+        pass  # select() meets the same failure and says why
+
+
+_LIBRARY_LOCK = threading.Lock()  # one build and one load at a time: a second load would register the ops twice
+
+
+def _load_library(cache_dir: Path) -> None:
+    """Build and load the machine's library (every instruction set it supports) once per process, from whichever
+    cache folder asks first: torch registers an operator namespace once."""
+    with _LIBRARY_LOCK:
+        if not hasattr(torch.ops.tern, "int8_mm_avx2"):
+            _build_and_load(cache_dir)
+
+
+def _build_and_load(cache_dir: Path) -> None:
+    flags = cpu_flags()
+    isas = ["avx2"]
+    if unsupported_reason("avx512") is None:
+        isas.append("avx512")
+        if BF16_FLAG in flags:
+            isas.append("avx512_bf16")
+    try:
+        build.load_library(tuple(isas), cache_dir)
+    except build.BuildError as exc:
+        raise KernelsUnavailable(str(exc)) from None
+    _register_fakes()
+
+
+def _register_fakes() -> None:
+    """Output shapes for torch.compile, which calls the kernels as opaque ops inside the compiled decode step."""
+    def matmul_shape(x, packed, *_):
+        return x.new_empty(x.shape[0], packed.shape[0])
+
+    def attention_shape(q, k_cache, v_cache, context_slots, context_lens, scale):
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+    for names, shape in ((("int8_mm_avx2", "int8_mm_avx512", "int4_mm_avx2", "bf16_mm_avx512"), matmul_shape),
+                         (("decode_attention_avx2", "decode_attention_avx512"), attention_shape)):
+        for name in names:
+            if hasattr(torch.ops.tern, name):
+                torch.library.register_fake(f"tern::{name}")(shape)

@@ -1,0 +1,122 @@
+"""The packed weight layouts Tern's CPU kernels read, as pure tensor functions (pack, unpack, row lookup).
+
+Kernels read weights in the order they use them, so a thread streams one sequential run of memory:
+- int8 (every instruction set): each group of 16 rows stored 4 columns at a time, [N/16][K/4][16][4], as w + 128
+  in uint8: one 64-byte line holds 4 values of 16 rows.
+- int4: per group of 8 rows and 32 columns, 160 bytes: 128 bytes of nibbles (register j of 32 bytes holds, for
+  each row r at bytes 4r..4r+3, columns 8j..8j+3 in the low nibbles and 8j+4..8j+7 in the high ones), then the
+  8 rows' fp16 scales d, then their fp16 minimums m. Shape uint8 [N, K * 5 / 8].
+- bf16 (AVX512-BF16): each group of 4 rows stored 64-byte chunk by chunk, [N/4][K/32][4][32].
+"""
+from __future__ import annotations
+
+import torch
+
+INT8_GROUP_ROWS, INT8_QUAD = 16, 4
+INT4_GROUP_ROWS, INT4_GROUP_COLS = 8, 32
+BF16_GROUP_ROWS, CHUNK_BYTES = 4, 64
+
+
+def can_pack_int8(weight: torch.Tensor) -> bool:
+    rows, cols = weight.shape
+    return weight.device.type == "cpu" and rows % INT8_GROUP_ROWS == 0 and cols % CHUNK_BYTES == 0
+
+
+def can_pack_int4(weight: torch.Tensor) -> bool:
+    rows, cols = weight.shape
+    return weight.device.type == "cpu" and rows % INT4_GROUP_ROWS == 0 and cols % INT4_GROUP_COLS == 0
+
+
+def can_pack_bf16(weight: torch.Tensor) -> bool:
+    rows, cols = weight.shape
+    return weight.device.type == "cpu" and rows % BF16_GROUP_ROWS == 0 and cols % (CHUNK_BYTES // 2) == 0
+
+
+def pack_int8(weight_int8: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> uint8 [N, K]: w + 128, each group of 16 rows stored 4 columns at a time."""
+    return _interleave((weight_int8.to(torch.int16) + 128).to(torch.uint8), INT8_GROUP_ROWS, INT8_QUAD)
+
+
+def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_int8`: int8 [N, K] in row order."""
+    return _unshift(_deinterleave(packed, INT8_GROUP_ROWS, INT8_QUAD))
+
+
+def int8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a `pack_int8` matrix as int8 [*ids.shape, K] (a tied embedding's lookup)."""
+    return _unshift(_gather(packed, ids, INT8_GROUP_ROWS, INT8_QUAD))
+
+
+def pack_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] in 0..15, d and m fp16 [N, K/32] (w = d * q + m) -> uint8 [N, K * 5 / 8]."""
+    rows, cols = q.shape
+    groups, blocks = rows // INT4_GROUP_ROWS, cols // INT4_GROUP_COLS
+    # [group, row, block, register j, low/high, t] -> bytes [group, block, j, row, t]
+    q = q.to(torch.uint8).reshape(groups, INT4_GROUP_ROWS, blocks, 4, 2, 4)
+    nibbles = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 128)
+    scales = [s.to(torch.float16).reshape(groups, INT4_GROUP_ROWS, blocks).transpose(1, 2).contiguous()
+              .view(torch.uint8) for s in (d, m)]  # [group, block, 16 bytes]
+    return torch.cat([nibbles, *scales], dim=-1).reshape(rows, cols * 5 // 8)
+
+
+def unpack_int4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `pack_int4`: (q uint8 [N, K], d fp16 [N, K/32], m fp16 [N, K/32])."""
+    rows, cols = packed.shape[0], packed.shape[1] * 8 // 5
+    groups, blocks = rows // INT4_GROUP_ROWS, cols // INT4_GROUP_COLS
+    data = packed.reshape(groups, blocks, 160)
+    nibbles = data[..., :128].reshape(groups, blocks, 4, INT4_GROUP_ROWS, 4)  # [group, block, j, row, t]
+    q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3)  # [group, block, j, low/high, row, t]
+    q = q.permute(0, 4, 1, 2, 3, 5).reshape(rows, cols)
+
+    def scales(offset: int) -> torch.Tensor:
+        raw = data[..., offset:offset + 16].contiguous().view(torch.float16)  # [group, block, row]
+        return raw.transpose(1, 2).reshape(rows, blocks)
+
+    return q, scales(128), scales(144)
+
+
+def dequantize_int4(packed: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K]: d * q + m, the weight an int4 matrix stands for."""
+    q, d, m = unpack_int4(packed)
+    rows, cols = q.shape
+    grouped = q.float().reshape(rows, -1, INT4_GROUP_COLS)
+    return (grouped * d.float().unsqueeze(-1) + m.float().unsqueeze(-1)).reshape(rows, cols)
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> the bf16 kernel's layout, same dtype and shape: each group of 4 rows stored 64-byte chunk by chunk."""
+    return _interleave(weight, BF16_GROUP_ROWS, CHUNK_BYTES // weight.element_size())
+
+
+def unpack_bf16(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_bf16`: [N, K] in row order."""
+    return _deinterleave(packed, BF16_GROUP_ROWS, CHUNK_BYTES // packed.element_size())
+
+
+def bf16_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a `pack_bf16` matrix as [*ids.shape, K] (a tied embedding's lookup), without unpacking it."""
+    return _gather(packed, ids, BF16_GROUP_ROWS, CHUNK_BYTES // packed.element_size())
+
+
+def _interleave(weight: torch.Tensor, group_rows: int, chunk: int) -> torch.Tensor:
+    """[N, K] stored as [N/group_rows][K/chunk][group_rows][chunk] (same shape and dtype)."""
+    rows, cols = weight.shape
+    grouped = weight.reshape(rows // group_rows, group_rows, cols // chunk, chunk)
+    return grouped.permute(0, 2, 1, 3).contiguous().reshape(rows, cols)
+
+
+def _deinterleave(packed: torch.Tensor, group_rows: int, chunk: int) -> torch.Tensor:
+    rows, cols = packed.shape
+    grouped = packed.reshape(rows // group_rows, cols // chunk, group_rows, chunk).permute(0, 2, 1, 3)
+    return grouped.reshape(rows, cols)
+
+
+def _gather(packed: torch.Tensor, ids: torch.Tensor, group_rows: int, chunk: int) -> torch.Tensor:
+    rows, cols = packed.shape
+    grouped = packed.view(rows // group_rows, cols // chunk, group_rows, chunk)
+    picked = grouped[ids // group_rows, :, ids % group_rows, :]  # [*ids.shape, K/chunk, chunk]
+    return picked.reshape(*ids.shape, cols)
+
+
+def _unshift(shifted: torch.Tensor) -> torch.Tensor:
+    return (shifted ^ 0x80).view(torch.int8)  # stored as w + 128 (mod 256): flipping the top bit gives w

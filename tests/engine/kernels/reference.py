@@ -1,0 +1,48 @@
+"""The arithmetic of Tern's CPU kernels in plain PyTorch: slow, and the specification the tests hold every
+instruction set's kernel to, bit for bit (engine/kernels/csrc/kernels.h describes the same steps)."""
+from __future__ import annotations
+
+import torch
+
+
+def int8_activation_block(cols: int) -> int:
+    """Values per activation scale in the int8 kernels: the largest of 256, 192, 128 that divides the row, else 64."""
+    return next((size for size in (256, 192, 128) if cols % size == 0), 64)
+
+
+def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8 [M, K/block, block], float32 scales [M, K/block]), rounded as the kernels round."""
+    rows, cols = x.shape
+    values = x.float().reshape(rows, cols // block, block)
+    absmax = values.abs().amax(dim=-1)
+    # Tensor by tensor: `127.0 / t` is computed as reciprocal(t) * 127, which rounds twice.
+    limit = torch.full_like(absmax, 127.0)
+    inverse = torch.where(absmax > 0, limit / absmax, torch.zeros_like(absmax))
+    quantized = torch.round(values * inverse.unsqueeze(-1)).to(torch.int8)  # half to even, as the kernels
+    return quantized, (absmax / limit).contiguous()
+
+
+def int8_matmul(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (bf16/fp32) times int8 [N, K] with one scale per row: [M, N] in x's dtype."""
+    quantized, x_scales = quantize_activations(x, int8_activation_block(x.shape[1]))
+    rows, blocks, block = quantized.shape
+    acc = torch.zeros(rows, weight_int8.shape[0])
+    for b in range(blocks):
+        dot = quantized[:, b].long() @ weight_int8[:, b * block:(b + 1) * block].long().t()
+        acc = acc + dot.float() * x_scales[:, b:b + 1]
+    return (acc * scales.float()).to(x.dtype)
+
+
+def int4_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times the 4-bit weight d * q + m (q [N, K] in 0..15, d and m fp16 [N, K/32]): [M, N] in x's dtype."""
+    quantized, x_scales = quantize_activations(x, 32)
+    rows, blocks, _ = quantized.shape
+    sums = quantized.long().sum(-1).float()  # [M, K/32]
+    d, m = d.float(), m.float()
+    acc = torch.zeros(rows, q.shape[0])
+    for c in range(blocks):
+        dot = quantized[:, c].long() @ q[:, c * 32:(c + 1) * 32].long().t()  # [M, N], exact
+        x_scale = x_scales[:, c:c + 1]
+        acc = acc + dot.float() * (d[:, c][None] * x_scale)
+        acc = acc + m[:, c][None] * (x_scale * sums[:, c:c + 1])
+    return acc.to(x.dtype)

@@ -1,0 +1,95 @@
+"""The decode attention kernel of every path this CPU takes, against its plain-PyTorch twin (the matmul path), and
+what it means for an engine's tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import require_op, tiny_quantized_engine
+
+from engine import SamplingParams
+from engine.models.attention import _decode_attention_matmul
+
+
+def _matmul_decode_attention(q, k_cache, v_cache, context_slots, context_lens, scale):
+    """The plain-PyTorch decode attention (the kernel's twin), on the same inputs."""
+    batch, length = context_slots.shape
+    heads, dim = k_cache.shape[1:]
+    keys = k_cache[context_slots.reshape(-1)].view(batch, length, heads, dim).transpose(1, 2)
+    values = v_cache[context_slots.reshape(-1)].view(batch, length, heads, dim).transpose(1, 2)
+    mask = (torch.arange(length)[None] < context_lens[:, None])[:, None, None]
+    return _decode_attention_matmul(q, keys, values, mask, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("batch,length,heads,kv_heads,dim", [(16, 243, 9, 3, 64), (1, 37, 4, 4, 128),
+                                                             (5, 100, 8, 2, 32), (3, 1, 4, 2, 16)])
+def test_decode_attention_kernel_reads_the_cache_in_place_as_its_matmul_twin_computes(path_kernels, dtype, batch,
+                                                                                      length, heads, kv_heads, dim):
+    attend = require_op(path_kernels.decode_attention, "decode attention")
+    generator = torch.Generator().manual_seed(batch * length)
+    slots = 4096
+    k_cache = torch.randn(slots, kv_heads, dim, generator=generator).to(dtype)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=generator).to(dtype)
+    q = torch.randn(batch, heads, dim, generator=generator).to(dtype)
+    context_slots = torch.randperm(slots, generator=generator)[: batch * length].view(batch, length)
+    context_lens = torch.randint(1, length + 1, (batch,), generator=generator)
+    context_lens[0] = length
+    out = attend(q, k_cache, v_cache, context_slots, context_lens, dim**-0.5)
+    expected = _matmul_decode_attention(q, k_cache, v_cache, context_slots, context_lens, dim**-0.5)
+    assert out.dtype == dtype and out.shape == (batch, heads * dim)
+    # bf16: rounded where the matmuls round, so only fp32 summation order differs (measured: equal bits).
+    # fp32: a few ulps.
+    tolerance = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    if dtype == torch.bfloat16:
+        assert (out == expected).float().mean() > 0.99
+    # Padding past a sequence's length is never read: scribbling over it changes nothing.
+    garbage = context_slots.clone()
+    for b in range(batch):
+        garbage[b, context_lens[b]:] = 0
+    k_cache[0] = float("nan")
+    assert torch.equal(attend(q, k_cache, v_cache, garbage, context_lens, dim**-0.5), out)
+    alone = attend(q[-1:], k_cache, v_cache, garbage[-1:], context_lens[-1:], dim**-0.5)
+    assert torch.equal(alone[0], out[-1])  # a sequence's attention does not depend on its batch
+
+
+@pytest.mark.parametrize("length", [17, 9, 33])
+def test_decode_attention_with_every_score_far_below_zero_and_a_partial_last_register(path_kernels, length):
+    """Scores all below -88 over a context that does not fill its last register: lanes past the end must not
+    join the max (zeros there once made the softmax uniform instead of picking the best position)."""
+    attend = require_op(path_kernels.decode_attention, "decode attention")
+    dim = 64
+    q = torch.ones(1, 2, dim)
+    k_cache = torch.full((64, 1, dim), -3.0)  # every score: 64 * -3 = -192
+    k_cache[5] = -2.5  # one position scores -160: softmax puts all the weight on it
+    v_cache = torch.randn(64, 1, dim, generator=torch.Generator().manual_seed(0))
+    context_slots, context_lens = torch.arange(length)[None], torch.tensor([length])
+    out = attend(q, k_cache, v_cache, context_slots, context_lens, 1.0)
+    expected = _matmul_decode_attention(q, k_cache, v_cache, context_slots, context_lens, 1.0)
+    assert torch.allclose(out, expected, atol=1e-5)
+    assert torch.allclose(out[0, :dim], v_cache[5, 0], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tie", [("float32", 1e-4), ("bfloat16", 0.05)])
+def test_engine_decodes_the_same_tokens_with_the_attention_kernel_as_with_its_matmul_twin(default_tokenizer, path_kernels,
+                                                                                         dtype, tie):
+    require_op(path_kernels.decode_attention, "decode attention")
+    engine, _ = tiny_quantized_engine("llama", "none", default_tokenizer, dtype=dtype, path=path_kernels, max_num_seqs=8)
+    kernel = engine.runner.decode_attention
+    try:
+        generator = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(3, 2000, (n,), generator=generator).tolist() for n in (3, 17, 40, 90, 5)]
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+        runs = {}
+        for which in (kernel, None):
+            engine.runner.decode_attention = which  # read by the engine thread at its next step
+            runs[which is not None] = [c.choices[0] for c in engine.generate(prompts, params)]
+    finally:
+        engine.stop()
+    for ours, twin in zip(runs[True], runs[False]):
+        for position, (mine, theirs) in enumerate(zip(ours.token_ids, twin.token_ids)):
+            if mine != theirs:  # bf16 only: a near tie may flip, then the sequences part
+                top = dict(twin.logprobs[position].top)
+                assert dtype == "bfloat16" and mine in top and top[theirs] - top[mine] <= tie
+                break
+            assert abs(ours.logprobs[position].logprob - twin.logprobs[position].logprob) <= tie

@@ -1,0 +1,124 @@
+"""Choosing the kernel path: from the CPU's flags, forced by TERN_CPU_KERNELS, falling back (with the reason, at
+WARNING) when a path cannot run or cannot be built; the build honours the cache folder, survives an unwritable
+one and stops a compiler that hangs."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import kernels
+from engine.kernels import build, dispatch
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _best_path() -> str:
+    return next(path for path in kernels.PATHS if kernels.unsupported_reason(path) is None)
+
+
+def test_auto_takes_the_best_path_this_cpu_supports_and_says_why_not_a_better_one(monkeypatch):
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    path, why = kernels.planned_path()
+    assert path == _best_path()
+    if path != "avx512":
+        assert "avx512: this CPU lacks" in why or "avx512:" in why
+
+
+@pytest.mark.parametrize("forced", kernels.PATHS)
+def test_the_environment_variable_forces_a_path_the_cpu_supports(monkeypatch, caplog, tmp_path, forced):
+    reason = kernels.unsupported_reason(forced)
+    monkeypatch.setenv(kernels.ENV_VAR, forced)
+    path, why = kernels.planned_path()
+    if reason:  # a path this CPU lacks: the best one it has, with the reason
+        assert path == _best_path() and reason in why and f"{kernels.ENV_VAR}={forced}" in why
+        return
+    assert (path, why) == (forced, f"forced by {kernels.ENV_VAR}={forced}")
+    if forced == "off":  # nothing to build: the fallback is taken, and said at WARNING level
+        with caplog.at_level(logging.INFO, logger="engine.kernels.dispatch"):
+            selected = kernels.select(tmp_path)
+        assert selected.path == "off" and selected.int8_mm is None and selected.decode_attention is None
+        [record] = [r for r in caplog.records if r.name == "engine.kernels.dispatch"]
+        assert record.levelno == logging.WARNING and "int8: aten" in record.getMessage()
+
+
+def test_an_unknown_path_is_named_and_the_best_one_taken(monkeypatch):
+    monkeypatch.setenv(kernels.ENV_VAR, "neon")
+    path, why = kernels.planned_path()
+    assert path == _best_path() and "unknown kernel path 'neon'" in why
+
+
+def test_a_path_the_cpu_lacks_is_refused_with_the_missing_flags(monkeypatch):
+    monkeypatch.setattr(dispatch, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma"}))  # no f16c, no avx512
+    assert kernels.unsupported_reason("avx2") == "this CPU lacks f16c"
+    assert "avx512f" in kernels.unsupported_reason("avx512")
+    with pytest.raises(kernels.KernelsUnavailable, match="lacks f16c"):
+        kernels.kernels_for("avx2", Path("/nonexistent"))
+    monkeypatch.setattr(dispatch.platform, "machine", lambda: "aarch64")
+    assert "aarch64 CPUs have no Tern kernels yet" in kernels.unsupported_reason("avx2")
+    assert kernels.planned_path("auto")[0] == "off"
+
+
+def test_a_failed_build_falls_back_to_aten_with_the_compilers_reason(monkeypatch, caplog, tmp_path):
+    if kernels.unsupported_reason(_best_path()) or _best_path() == "off":
+        pytest.skip("no kernel path to build on this CPU")
+
+    def failing(cache_dir):
+        raise kernels.KernelsUnavailable("the compiler failed on ops.cpp: error: no space left on device")
+
+    monkeypatch.setattr(dispatch, "_load_library", failing)
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    with caplog.at_level(logging.WARNING, logger="engine.kernels.dispatch"):
+        selected = kernels.select(tmp_path)
+    assert selected.path == "off" and "no space left on device" in selected.reason
+    assert any("no space left on device" in r.getMessage() for r in caplog.records)
+
+
+def test_a_hung_compiler_is_stopped_and_a_failing_one_quoted(monkeypatch, tmp_path):
+    monkeypatch.setattr(build, "BUILD_TIMEOUT_S", 1)
+    with pytest.raises(build.BuildError, match="took over 1 s"):
+        build._run([sys.executable, "-c", "import time; time.sleep(30)"])
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("int main() { return undefined_name; }\n")
+    with pytest.raises(build.BuildError, match="the compiler failed on bad.cpp: .*undefined_name"):
+        build._run([build.compiler() or "g++", "-c", str(bad), "-o", str(tmp_path / "bad.o")])
+
+
+@pytest.mark.slow
+def test_the_build_uses_the_cache_folder_it_is_given_and_a_temporary_one_when_that_cannot_be_written(tmp_path):
+    """In a fresh process each (a process loads the library once): --cache-dir is honoured, and a cache folder
+    that cannot be created (here: under a file) sends the build to a temporary folder instead of failing."""
+    if kernels.unsupported_reason("avx2"):
+        pytest.skip(f"no avx2 kernels here: {kernels.unsupported_reason('avx2')}")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    (tmp_path / "tmp").mkdir()
+    script = ("import sys; from pathlib import Path; from engine.kernels import build; "
+              "print(build.load_library(('avx2',), Path(sys.argv[1])))")
+    for cache, expect_inside in ((tmp_path / "cache", True), (blocker / "cache", False)):
+        result = subprocess.run([sys.executable, "-c", script, str(cache)], cwd=ROOT, capture_output=True, text=True,
+                                timeout=600, env={**os.environ, "TMPDIR": str(tmp_path / "tmp")} if not expect_inside
+                                else None)
+        assert result.returncode == 0, result.stderr[-2000:]
+        library = Path(result.stdout.strip().splitlines()[-1])
+        assert library.exists() and library.suffix == ".so"
+        if expect_inside:
+            assert library.parent == cache / "kernels"
+        else:
+            assert str(library).startswith(str(tmp_path / "tmp"))
+
+
+def test_help_names_the_kernel_path_and_how_to_force_one():
+    for forced in ("auto", "off"):
+        env = {**os.environ, kernels.ENV_VAR: forced}
+        result = subprocess.run([sys.executable, "app.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=120, env=env)
+        assert result.returncode == 0
+        text = " ".join(result.stdout.split())
+        expected = "off" if forced == "off" else _best_path()
+        assert f"CPU kernels on this machine: {expected} (int8:" in text
+        assert "TERN_CPU_KERNELS=avx512|avx2|off" in text

@@ -1,0 +1,61 @@
+"""The packed weight layouts the kernels read: each round-trips to the row-order matrix, and a tied embedding reads
+its rows straight from the packed copy."""
+from __future__ import annotations
+
+import torch
+
+from engine import quant
+from engine.kernels import layouts
+
+
+def test_int8_layout_round_trips_and_rows_read_from_it():
+    weight = torch.randint(-127, 128, (32, 192), dtype=torch.int8)
+    packed = layouts.pack_int8(weight)
+    assert packed.dtype == torch.uint8 and packed.shape == weight.shape and not torch.equal(packed.view(torch.int8), weight)
+    assert torch.equal(layouts.unpack_int8(packed), weight)
+    ids = torch.tensor([[0, 5, 31], [17, 17, 7]])
+    assert torch.equal(layouts.int8_rows(packed, ids), weight[ids])
+
+
+def test_int4_layout_round_trips_and_is_five_bits_a_weight():
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (24, 96), dtype=torch.uint8, generator=generator)
+    d = torch.rand(24, 3, generator=generator).half()
+    m = -torch.rand(24, 3, generator=generator).half()
+    packed = layouts.pack_int4(q, d, m)
+    assert packed.dtype == torch.uint8 and packed.shape == (24, 96 * 5 // 8)  # 4 bits + 2 fp16 per 32 values
+    q2, d2, m2 = layouts.unpack_int4(packed)
+    assert torch.equal(q2, q) and torch.equal(d2, d) and torch.equal(m2, m)
+    expected = q.float().reshape(24, 3, 32) * d.float()[..., None] + m.float()[..., None]
+    assert torch.equal(layouts.dequantize_int4(packed), expected.reshape(24, 96))
+
+
+def test_bf16_layout_round_trips_and_rows_read_from_it():
+    weight = torch.randn(12, 96).to(torch.bfloat16)
+    packed = layouts.pack_bf16(weight)
+    assert packed.dtype == torch.bfloat16 and packed.shape == weight.shape and not torch.equal(packed, weight)
+    assert torch.equal(layouts.unpack_bf16(packed), weight)
+    ids = torch.tensor([[0, 5, 11], [3, 3, 7]])
+    assert torch.equal(layouts.bf16_rows(packed, ids), weight[ids])
+
+
+def test_int4_quantization_gives_a_4bit_checkpoint_its_own_values_back():
+    """A de-quantized Q4_1 block (16 evenly spaced levels from an fp16 step and minimum) survives exactly; any
+    other weight lands within half a step of where it was."""
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (16, 128), dtype=torch.uint8, generator=generator)
+    q[:, ::32], q[:, 1::32] = 0, 15  # each block uses its lowest and highest level, as Q4_1 blocks do
+    d = (torch.rand(16, 4, generator=generator) / 20).half()
+    m = (-torch.rand(16, 4, generator=generator) / 5).half()
+    weight = layouts.dequantize_int4(layouts.pack_int4(q, d, m))
+    q2, d2, m2 = quant.quantize_int4(weight)
+    assert torch.equal(q2, q) and torch.equal(d2, d) and torch.equal(m2, m)
+
+    other = torch.randn(16, 128, generator=generator)
+    q3, d3, m3 = quant.quantize_int4(other)
+    back = layouts.dequantize_int4(layouts.pack_int4(q3, d3, m3))
+    step = d3.float().repeat_interleave(32, dim=1)
+    assert ((back - other).abs() <= step * 0.5 + 2e-3).all()  # half a step, plus the fp16 rounding of d and m
+    constant = torch.full((8, 32), 0.25)
+    q4, d4, m4 = quant.quantize_int4(constant)  # a block with one value: step 0, all of it in the minimum
+    assert torch.equal(layouts.dequantize_int4(layouts.pack_int4(q4, d4, m4)), constant)
