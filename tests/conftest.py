@@ -199,8 +199,10 @@ def stop_server(process: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="session")
 def live_server(default_checkpoint):
-    """The real server on the default model (fp32), shared by the end-to-end tests. Yields its base URL."""
-    process, base_url, log_path = start_server("--dtype", "float32", log_name="live-server")
+    """The real server on the default model in fp32 and unquantized (its answers are transformers'), compiling its
+    decode step in the background as the server does by default; shared by the end-to-end tests. Yields its base
+    URL."""
+    process, base_url, log_path = start_server("--dtype", "float32", "--quantization", "none", log_name="live-server")
     SERVER_PIDS[base_url] = process.pid
     try:
         wait_healthy(process, base_url, log_path)

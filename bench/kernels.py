@@ -1,0 +1,99 @@
+"""Tern's CPU matmul kernels against torch's own CPU ops on the default model's linear layers, in one run.
+
+    .venv/bin/python bench/kernels.py [--rows 1 16 256] [--reps 5] [--path avx2]
+
+The stack is one decode step's matmuls of SmolLM2-135M: 30 layers of qkv (960x576), o (576x576), gate_up
+(3072x576) and down (576x1536), then the lm_head (49152x576); `rows` is the batch (1: one stream, 16: sixteen
+streams, 256: a prefill step). Every candidate runs on float32 activations, as the engine runs on CPUs without
+AVX512-BF16 (aten's int8pack/int4pack ops are given bf16 activations, their fast case, and converted back).
+Candidates alternate within each repetition; each figure is the median, and tok/s is rows over the stack's time.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import kernels  # noqa: E402
+from engine.config import default_cache_dir  # noqa: E402
+from engine.kernels import layouts  # noqa: E402
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+
+
+def candidates(cpu: kernels.CpuKernels) -> dict[str, callable]:
+    """name -> builder of (run(x_by_k)) over the whole stack, each with its own random weights."""
+    bf16 = torch.bfloat16
+
+    def tern_int8():
+        weights = [(layouts.pack_int8(torch.randint(-127, 128, (n, k), dtype=torch.int8)), torch.rand(n)) for n, k in SHAPES]
+        return lambda xs: [cpu.int8_mm(xs[w.shape[1]], w, s) for w, s in weights]
+
+    def tern_int4():  # the lm_head stays int8, as in the engine's int4 mode
+        weights = []
+        for n, k in SHAPES:
+            if n == 49152:
+                weights.append(("int8", layouts.pack_int8(torch.randint(-127, 128, (n, k), dtype=torch.int8)), torch.rand(n)))
+            else:
+                q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+                weights.append(("int4", layouts.pack_int4(q, torch.rand(n, k // 32).half(), torch.rand(n, k // 32).half()), k))
+        return lambda xs: [cpu.int8_mm(xs[w[1].shape[1]], w[1], w[2]) if w[0] == "int8" else cpu.int4_mm(xs[w[2]], w[1])
+                           for w in weights]
+
+    def aten_int8pack():
+        weights = [(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n).to(bf16)) for n, k in SHAPES]
+        return lambda xs: [torch.ops.aten._weight_int8pack_mm(xs[w.shape[1]].to(bf16), w, s).float() for w, s in weights]
+
+    def aten_int4pack():
+        weights = [(torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), dtype=torch.int32), 1),
+                    torch.rand(k // 32, n, 2).to(bf16), k) for n, k in SHAPES]
+        return lambda xs: [torch.ops.aten._weight_int4pack_mm_for_cpu(xs[k].to(bf16), w, 32, sz).float()
+                           for w, sz, k in weights]
+
+    def aten_fp32():
+        weights = [torch.randn(n, k) for n, k in SHAPES]
+        return lambda xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights]
+
+    found = {"aten fp32 (F.linear)": aten_fp32, "aten int8pack (bf16 activations)": aten_int8pack,
+             "aten int4pack (bf16 activations)": aten_int4pack}
+    if cpu.int8_mm is not None:
+        found[f"Tern int8 ({cpu.path})"] = tern_int8
+    if cpu.int4_mm is not None:
+        found[f"Tern int4 ({cpu.path})"] = tern_int4
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--path", default=None, help="kernel path (default: what the engine would pick)")
+    args = parser.parse_args()
+    cpu = kernels.select(default_cache_dir(), args.path)
+    built = {name: make() for name, make in candidates(cpu).items()}
+    print(f"kernels: {cpu.describe()}; torch threads: {torch.get_num_threads()}\n")
+    print("| rows | " + " | ".join(built) + " |")
+    print("|---|" + "---|" * len(built))
+    for rows in args.rows:
+        xs = {576: torch.randn(rows, 576), 1536: torch.randn(rows, 1536)}
+        times: dict[str, list[float]] = {name: [] for name in built}
+        for _ in range(args.reps):
+            for name, run in built.items():
+                if rows > 32 and "pack" in name:
+                    continue  # aten's packed ops are for decode-sized batches
+                started = time.perf_counter()
+                run(xs)
+                times[name].append(time.perf_counter() - started)
+        cells = [f"{statistics.median(t) * 1e3:.1f} ms ({rows / statistics.median(t):.0f} tok/s)" if t else "-"
+                 for t in times.values()]
+        print(f"| {rows} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
