@@ -83,12 +83,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         help="bnb-nf4/bnb-fp4: also quantize the per-block scales (TERN_BNB_DOUBLE_QUANT)",
     )
     parser.add_argument(
+        "--native-decode",
+        action=argparse.BooleanOptionalAction,
+        default=env("TERN_NATIVE_DECODE", "1").lower() in ("1", "true", "yes"),
+        help="on CPU, run decode steps of int8/int4 float32 models in Tern's C++ step, all layers in one call "
+        "(TERN_NATIVE_DECODE)",
+    )
+    parser.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=env("TERN_COMPILE", "1").lower() in ("1", "true", "yes"),
-        help="torch.compile the decode step (none/int8/int4 weights). On CPU the server answers at once with the "
-        "eager step and switches to the compiled one when it is built (minutes on the first start, ~20 s later) "
-        "(TERN_COMPILE)",
+        help="torch.compile the decode step where the native one does not serve (none/int8/int4 weights). On CPU the "
+        "server answers at once with the eager step and switches to the compiled one when it is built (minutes on "
+        "the first start, ~20 s later) (TERN_COMPILE)",
     )
     parser.add_argument(
         "--cuda-graphs",
@@ -117,6 +124,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting,
+        native_decode=args.native_decode,
         compile=args.compile,
         cuda_graphs=args.cuda_graphs,
         cache_dir=args.cache_dir,

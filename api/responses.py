@@ -115,8 +115,8 @@ class ModelCard(BaseModel):
     weight_bytes: int = Field(description="Bytes the weights occupy, quantized storage and scales included.")
     weight_ratio_to_bf16: float = Field(description="weight_bytes over the same weights in bf16.")
     compiled_decode: bool = Field(description="Whether decode steps run under torch.compile (--compile).")
-    decode_step: str = Field(description="compiled, compiling (the eager step serves until the compiled one is "
-                             "ready) or eager.")
+    decode_step: str = Field(description="native (Tern's C++ decode step), compiled, compiling (the eager step "
+                             "serves until the compiled one is ready) or eager.")
     cpu_kernels: str = Field(description="The CPU kernel path and what serves each kind of work, e.g. "
                              "`avx2 (int8: avx2, int4: avx2, bf16: aten, decode attention: avx2)`.")
 

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import compiled, cuda_graphs, loader
+from engine import compiled, cuda_graphs, loader, native_decode
 from engine.config import EngineConfig, batched_tokens_for
 from engine.errors import ContextLengthExceededError, InvalidRequestError, QueueFullError
 from engine.kv_cache import BlockAllocator, KVCache, blocks_needed
 from engine.loader import LoadedModel
 from engine.models.generic import RecomputeRunner
+from engine.native_decode import NativeDecode
 from engine.outputs import Completion, ContinuationScore, RequestOutput
 from engine.request import Request, Sequence, TokenLogprob
 from engine.runner import ModelRunner
@@ -112,7 +113,8 @@ class Engine:
             max_model_len = min(max_model_len, num_blocks * block_size)
             self.kv_cache = KVCache(kv_args[0], num_blocks, *kv_args[1:], self.dtype, self.device)
             model.build_rope_tables(max_model_len, self.device, self.dtype)
-            self.runner = ModelRunner(model, self.kv_cache, self.device, self.loaded.kernels.decode_attention)
+            self.runner = ModelRunner(model, self.kv_cache, self.device, self.loaded.kernels.decode_attention,
+                                      self._native_decode(model))
         else:
             # The generic path recomputes everything, but the allocator still bounds concurrent context.
             num_blocks = self.config.num_kv_blocks or self.config.max_num_seqs * blocks_needed(max_model_len, block_size)
@@ -153,10 +155,22 @@ class Engine:
             self.max_num_batched_tokens,
         )
 
+    def _native_decode(self, model) -> NativeDecode | None:
+        """The C++ decode step, where it serves this model here (then nothing needs compiling)."""
+        if not self.config.native_decode or self.device.type != "cpu":
+            return None
+        reason = native_decode.unsupported_reason(model, self.kv_cache, self.loaded.kernels, self.dtype)
+        if reason:
+            logger.info("decode steps run in Python (the native decode step: %s)", reason)
+            return None
+        return NativeDecode(model, self.kv_cache, self.loaded.kernels)
+
     def _compile_decode_step(self) -> None:
         """Compile the decode step, when asked and possible here: before serving on CUDA (the graphs capture it),
-        on a background thread on CPU, where it takes minutes and the eager step serves meanwhile."""
-        if not self.config.compile or not self.loaded.is_native:
+        on a background thread on CPU, where it takes minutes and the eager step serves meanwhile. Not when the
+        native decode step serves."""
+        if (not self.config.compile or not self.loaded.is_native
+                or getattr(self.runner, "native_decode", None) is not None):
             self._compile_done.set()
             return
         reason = compiled.unsupported_reason(self.loaded.is_native, self.device, self.loaded.quantization)
@@ -238,7 +252,10 @@ class Engine:
 
     @property
     def decode_step(self) -> str:
-        """`compiled`, `compiling` (the eager step serves until the compiled one is ready) or `eager`."""
+        """`native` (C++, engine/native_decode.py), `compiled`, `compiling` (the eager step serves until the
+        compiled one is ready) or `eager`."""
+        if getattr(self.runner, "native_decode", None) is not None:
+            return "native"
         return "compiled" if self.compiled_decode else self._compile_state
 
     # Lifecycle.

@@ -25,7 +25,8 @@ class StepLogits:
 class ModelRunner:
     """Runs the native model against the paged KV cache. Owns nothing but scratch; called from one thread."""
 
-    def __init__(self, model, kv_cache: KVCache, device: torch.device, decode_attention=None) -> None:
+    def __init__(self, model, kv_cache: KVCache, device: torch.device, decode_attention=None,
+                 native_decode=None) -> None:
         self.graphs: DecodeGraphs | None = None  # replays decode steps on CUDA when set; see engine/cuda_graphs.py
         self.model = model
         self.kv_cache = kv_cache
@@ -37,6 +38,8 @@ class ModelRunner:
         usable = (device.type == "cpu" and kv_cache.dtype in (torch.bfloat16, torch.float32)
                   and kv_cache.head_dim % 16 == 0)
         self.decode_attention = decode_attention if usable else None
+        # Runs decode steps whose attention that kernel serves, all layers in one C++ call (engine/native_decode.py).
+        self.native_decode = native_decode if self.decode_attention is not None else None
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, samples: list[bool], wants_prompt: list[bool]) -> StepLogits:
@@ -50,7 +53,10 @@ class ModelRunner:
                 return StepLogits(logits, {})
         input_ids, positions, meta = self._prepare(batch)
         forward, compiled_forward = self.model.forward, self.compiled_forward  # read once: another thread sets it
-        if compiled_forward is not None and len(meta.groups) == 1 and meta.groups[0].is_decode:
+        decode_only = len(meta.groups) == 1 and meta.groups[0].is_decode
+        if decode_only and self.native_decode is not None and meta.groups[0].kernel is not None:
+            forward = self.native_decode
+        elif decode_only and compiled_forward is not None:
             compiled.mark_dynamic(input_ids, positions, meta)
             forward = compiled_forward
         hidden = forward(input_ids, positions, self.kv_layers, meta)

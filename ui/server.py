@@ -49,7 +49,7 @@ def model_facts(handle: EngineHandle) -> list[list[str]]:
 
 
 def _decode_step(engine) -> str:
-    kind = {"compiled": "compiled (torch.compile)",
+    kind = {"native": "native (Tern's C++ step, all layers in one call)", "compiled": "compiled (torch.compile)",
             "compiling": "eager, while the compiled step builds in the background"}.get(engine.decode_step, "eager")
     return f"{kind}, replayed from CUDA graphs" if engine.decode_graphs else kind
 

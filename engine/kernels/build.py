@@ -37,10 +37,13 @@ KERNEL_SOURCES = {
     "int8_avx2.cpp": "avx2",
     "int4_avx2.cpp": "avx2",
     "decode_attention_avx2.cpp": "avx2",
+    "decode_step.cpp": "avx2",
     "int8_avx512.cpp": "avx512",
     "decode_attention_avx512.cpp": "avx512",
     "bf16_avx512.cpp": "avx512_bf16",
 }
+# Files that include torch's headers (slow to compile; they get torch's include paths and the build's defines).
+TORCH_SOURCES = ("ops.cpp", "decode_step.cpp")
 
 
 class BuildError(RuntimeError):
@@ -92,7 +95,7 @@ def _compiler_version(cxx: str) -> str:
 
 
 def _build(cxx: str, sources: list[str], defines: list[str], folder: Path, library: Path) -> None:
-    """Compile every file in parallel (ops.cpp, with torch's headers, takes ~15 s; each kernel ~1 s), link,
+    """Compile every file in parallel (the two with torch's headers take ~15 s; each kernel ~1 s), link,
     then move the library into place atomically, so a concurrent start never loads half a file."""
     from torch.utils import cpp_extension
 
@@ -106,8 +109,10 @@ def _build(cxx: str, sources: list[str], defines: list[str], folder: Path, libra
     logger.info("building Tern's CPU kernels (once per machine, ~20 s) into %s", folder)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as tmp:
         jobs = [[cxx, *COMMON_FLAGS, *defines, *torch_flags, "-c", str(CSRC / "ops.cpp"), "-o", f"{tmp}/ops.o"]]
-        jobs += [[cxx, *COMMON_FLAGS, *ISA_FLAGS[KERNEL_SOURCES[name]], "-c", str(CSRC / name), "-o", f"{tmp}/{name}.o"]
-                 for name in sources]
+        for name in sources:
+            extra = [*defines, *torch_flags] if name in TORCH_SOURCES else []
+            jobs.append([cxx, *COMMON_FLAGS, *ISA_FLAGS[KERNEL_SOURCES[name]], *extra, "-c", str(CSRC / name), "-o",
+                         f"{tmp}/{name}.o"])
         with concurrent.futures.ThreadPoolExecutor(max(os.cpu_count() or 1, 1)) as pool:
             for _ in pool.map(_run, jobs):
                 pass

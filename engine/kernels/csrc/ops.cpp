@@ -11,41 +11,17 @@
 #include <vector>
 
 #include "kernels.h"
+#include "matmul.h"
 
 namespace tern {
 namespace {
-
-constexpr int64_t kChunk = 64;  // int8 activation blocks are whole multiples of 64 values
-
-// Activations share one scale per block of up to 256 values (as llama.cpp's Q8_K): the largest of 256, 192,
-// 128, 64 that divides K. Fewer scalings per weight is what makes a batch of rows cheap.
-int64_t int8_activation_block(int64_t K) {
-  for (int64_t chunks : {4, 3, 2})
-    if (K % (chunks * kChunk) == 0) return chunks * kChunk;
-  return kChunk;
-}
-
-struct QuantizedBuffers {
-  std::vector<int8_t> values;
-  std::vector<float> scales;
-  std::vector<int32_t> sums;
-  QuantizedRows rows;
-
-  QuantizedBuffers(const at::Tensor& x, int64_t block)
-      : values(x.numel()), scales(x.numel() / block), sums(x.numel() / block) {
-    const int64_t M = x.size(0), K = x.size(1);
-    rows = QuantizedRows{K, block, K / block, values.data(), scales.data(), sums.data()};
-    const bool bf16 = x.scalar_type() == at::kBFloat16;
-    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { quantize_rows_avx2(x.data_ptr(), bf16, m0, m1, rows); });
-  }
-};
 
 void check_activations(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous [M, K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op, ": x must be bfloat16 or float32");
 }
 
-template <void (*Groups)(const Int8Problem&, int64_t, int64_t)>
+template <Int8Groups Groups>
 at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& w_packed, const at::Tensor& w_scale) {
   const at::Tensor x = x_in.contiguous();
   check_activations(x, "int8_mm");
@@ -55,13 +31,11 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& w_packed, const at:
               w_scale.is_contiguous() && w_scale.numel() == w_packed.size(0),
               "int8_mm: w_scale must be float32 or bfloat16 [N]");
   const int64_t M = x.size(0), K = x.size(1), N = w_packed.size(0);
-  TORCH_CHECK(K % kChunk == 0 && N % kInt8GroupRows == 0, "int8_mm: K must be a multiple of 64 and N of 16");
+  TORCH_CHECK(K % kInt8Chunk == 0 && N % kInt8GroupRows == 0, "int8_mm: K must be a multiple of 64 and N of 16");
   at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0) return out;
-  const QuantizedBuffers q(x, int8_activation_block(K));
-  const Int8Problem p{&q.rows, M, N, w_packed.data_ptr<uint8_t>(), w_scale.data_ptr(),
-                      w_scale.scalar_type() == at::kBFloat16, out.data_ptr(), x.scalar_type() == at::kBFloat16};
-  at::parallel_for(0, N / kInt8GroupRows, 4, [&](int64_t g0, int64_t g1) { Groups(p, g0, g1); });
+  QuantizedScratch scratch;
+  int8_matmul(Groups, scratch, x.data_ptr(), x.scalar_type() == at::kBFloat16, M, K, w_packed.data_ptr<uint8_t>(),
+              w_scale.data_ptr(), w_scale.scalar_type() == at::kBFloat16, N, out.data_ptr());
   return out;
 }
 
@@ -75,10 +49,9 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
   TORCH_CHECK(K % kInt4GroupCols == 0 && N % kInt4GroupRows == 0 && w_packed.size(1) * 8 == K * 5,
               "int4_mm: K must be a multiple of 32, N of 8, and w_packed [N, K * 5 / 8]");
   at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0) return out;
-  const QuantizedBuffers q(x, kInt4GroupCols);
-  const Int4Problem p{&q.rows, M, N, w_packed.data_ptr<uint8_t>(), out.data_ptr(), x.scalar_type() == at::kBFloat16};
-  at::parallel_for(0, N / kInt4GroupRows, 8, [&](int64_t g0, int64_t g1) { int4_groups_avx2(p, g0, g1); });
+  QuantizedScratch scratch;
+  int4_matmul(int4_groups_avx2, scratch, x.data_ptr(), x.scalar_type() == at::kBFloat16, M, K,
+              w_packed.data_ptr<uint8_t>(), N, out.data_ptr());
   return out;
 }
 
@@ -100,8 +73,8 @@ at::Tensor bf16_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
 }
 #endif
 
-template <void (*Attend)(const AttentionProblem&, int64_t, int64_t)>
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+template <AttentionTasks Attend>
+at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& context_slots, const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "decode_attention: q [B, H, D], caches [slots, Hkv, D]");
@@ -120,7 +93,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const AttentionProblem p{q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.scalar_type() == at::kBFloat16,
                            slots.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), q.size(0), q.size(1), q.size(2),
                            k_cache.size(1), slots.size(1), static_cast<float>(scale), out.data_ptr()};
-  at::parallel_for(0, p.B * p.Hkv, 1, [&](int64_t t0, int64_t t1) { Attend(p, t0, t1); });
+  decode_attention(Attend, p);
   return out;
 }
 
@@ -145,10 +118,10 @@ TORCH_LIBRARY(tern, m) {
 TORCH_LIBRARY_IMPL(tern, CPU, m) {
   m.impl("int8_mm_avx2", &tern::int8_mm<tern::int8_groups_avx2>);
   m.impl("int4_mm_avx2", &tern::int4_mm);
-  m.impl("decode_attention_avx2", &tern::decode_attention<tern::decode_attention_avx2>);
+  m.impl("decode_attention_avx2", &tern::decode_attention_op<tern::decode_attention_avx2>);
 #ifdef TERN_WITH_AVX512
   m.impl("int8_mm_avx512", &tern::int8_mm<tern::int8_groups_avx512>);
-  m.impl("decode_attention_avx512", &tern::decode_attention<tern::decode_attention_avx512>);
+  m.impl("decode_attention_avx512", &tern::decode_attention_op<tern::decode_attention_avx512>);
 #endif
 #ifdef TERN_WITH_AVX512_BF16
   m.impl("bf16_mm_avx512", &tern::bf16_mm);

@@ -1,0 +1,66 @@
+// The int8 and int4 matmuls on raw pointers, threaded with at::parallel_for: what ops.cpp's operators and
+// decode_step.cpp's fused layers both call. Activations are quantized first (once per call), then the weight
+// groups are split across threads.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+#include "kernels.h"
+
+namespace tern {
+
+using Int8Groups = void (*)(const Int8Problem&, int64_t, int64_t);
+using Int4Groups = void (*)(const Int4Problem&, int64_t, int64_t);
+using AttentionTasks = void (*)(const AttentionProblem&, int64_t, int64_t);
+
+constexpr int64_t kInt8Chunk = 64;  // int8 activation blocks are whole multiples of 64 values
+
+// Activations share one scale per block of up to 256 values (as llama.cpp's Q8_K): the largest of 256, 192,
+// 128, 64 that divides K. Fewer scalings per weight is what makes a batch of rows cheap.
+inline int64_t int8_activation_block(int64_t K) {
+  for (int64_t chunks : {4, 3, 2})
+    if (K % (chunks * kInt8Chunk) == 0) return chunks * kInt8Chunk;
+  return kInt8Chunk;
+}
+
+// Reusable buffers for quantized activations (resized, never shrunk).
+struct QuantizedScratch {
+  std::vector<int8_t> values;
+  std::vector<float> scales;
+  std::vector<int32_t> sums;
+
+  QuantizedRows quantize(const void* x, bool bf16, int64_t M, int64_t K, int64_t block) {
+    values.resize(M * K);
+    scales.resize(M * K / block);
+    sums.resize(M * K / block);
+    QuantizedRows rows{K, block, K / block, values.data(), scales.data(), sums.data()};
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { quantize_rows_avx2(x, bf16, m0, m1, rows); });
+    return rows;
+  }
+};
+
+// out [M, N] = x [M, K] @ w.T for an int8 weight packed [N/16][K/4][16][4] with one scale per row.
+inline void int8_matmul(Int8Groups groups, QuantizedScratch& scratch, const void* x, bool x_bf16, int64_t M,
+                        int64_t K, const uint8_t* w, const void* w_scale, bool scale_bf16, int64_t N, void* out) {
+  if (M == 0) return;
+  const QuantizedRows q = scratch.quantize(x, x_bf16, M, K, int8_activation_block(K));
+  const Int8Problem p{&q, M, N, w, w_scale, scale_bf16, out, x_bf16};
+  at::parallel_for(0, N / kInt8GroupRows, 4, [&](int64_t g0, int64_t g1) { groups(p, g0, g1); });
+}
+
+// out [M, N] = x [M, K] @ w.T for a 4-bit weight packed per 8 rows and 32 columns (kernels.h).
+inline void int4_matmul(Int4Groups groups, QuantizedScratch& scratch, const void* x, bool x_bf16, int64_t M,
+                        int64_t K, const uint8_t* w, int64_t N, void* out) {
+  if (M == 0) return;
+  const QuantizedRows q = scratch.quantize(x, x_bf16, M, K, kInt4GroupCols);
+  const Int4Problem p{&q, M, N, w, out, x_bf16};
+  at::parallel_for(0, N / kInt4GroupRows, 8, [&](int64_t g0, int64_t g1) { groups(p, g0, g1); });
+}
+
+inline void decode_attention(AttentionTasks tasks, const AttentionProblem& p) {
+  at::parallel_for(0, p.B * p.Hkv, 1, [&](int64_t t0, int64_t t1) { tasks(p, t0, t1); });
+}
+
+}  // namespace tern

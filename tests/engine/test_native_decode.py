@@ -1,0 +1,91 @@
+"""The native (C++) decode step against its eager twin: the same tokens and logprobs, alone, batched and with
+sequences joining mid-decode, on every kernel path and Llama-family variant it serves; where it cannot serve, the
+engine says why and decodes in Python."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_tiny, require_op, tiny_config
+from test_compiled import PARAMS, _assert_same_up_to_ties, _outputs, _prompts
+
+from engine import Engine, EngineConfig, kernels, native_decode, quant
+from engine.config import default_cache_dir
+from engine.scheduler import ScheduledBatch
+
+
+def _engine(tokenizer, path, model_type: str, mode: str, native: bool, dtype=torch.float32, **overrides) -> Engine:
+    hf_config = tiny_config(model_type, **overrides)
+    _, loaded = build_tiny(hf_config, tokenizer, seed=0, dtype=dtype, path=path)
+    quant.quantize(loaded.model, mode, loaded.device, dtype)
+    quant.pack_for_cpu(loaded.model, path)
+    loaded.quantization = mode
+    config = EngineConfig(dtype=str(dtype).removeprefix("torch."), quantization=mode, native_decode=native,
+                          max_num_seqs=34)
+    return Engine(config, loaded=loaded).start()
+
+
+@pytest.mark.parametrize("model_type,overrides", [("llama", {}), ("qwen2", {}), ("qwen3", {}),
+                                                  ("llama", {"tie_word_embeddings": True})])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_native_decode_gives_the_eager_twins_tokens(default_tokenizer, path_kernels, mode, model_type, overrides):
+    require_op(path_kernels.int8_mm, "int8")
+    prompts = _prompts(34)
+    results = {}
+    for native in (False, True):
+        engine = _engine(default_tokenizer, path_kernels, model_type, mode, native, **overrides)
+        try:
+            assert engine.decode_step == ("native" if native else "eager")
+            results[native] = _outputs(engine, prompts)
+        finally:
+            engine.stop()
+    # The same steps in C++: the tokens are the eager ones; logprobs differ where a last-bit difference in a norm
+    # moves an activation to the next int8 step.
+    assert [ids for ids, _ in results[True]] == [ids for ids, _ in results[False]]
+    _assert_same_up_to_ties(results[True], results[False], 5e-3)
+
+
+def test_one_decode_step_matches_the_eager_layers_to_float_rounding(default_tokenizer, path_kernels):
+    """Hidden states after every layer of one step, for a batch of sequences with different contexts."""
+    require_op(path_kernels.int4_mm, "int4")
+    engine = _engine(default_tokenizer, path_kernels, "qwen3", "int4", native=True)
+    engine.stop()
+    runner = engine.runner
+    lengths = [5, 17, 40]
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    with torch.inference_mode():
+        for table, length in zip(tables, lengths):  # each sequence's context, prefilled by the eager model
+            seq = _Sequence(list(range(7, 7 + length)), 0, table)
+            input_ids, positions, meta = runner._prepare(ScheduledBatch([seq], [length - 1]))
+            runner.model.forward(input_ids, positions, runner.kv_layers, meta)
+        decode = [_Sequence(list(range(7, 7 + n)), n - 1, t) for n, t in zip(lengths, tables)]
+        input_ids, positions, meta = runner._prepare(ScheduledBatch(decode, [1] * 3))
+        assert meta.groups[0].kernel is not None
+        eager = runner.model.forward(input_ids, positions, runner.kv_layers, meta)
+        native = runner.native_decode(input_ids, positions, runner.kv_layers, meta)
+    assert ((native - eager).norm() / eager.norm()).item() < 1e-5
+
+
+class _Sequence:
+    """What the runner reads of a Sequence."""
+
+    def __init__(self, token_ids, num_computed_tokens, block_table):
+        self.token_ids, self.num_computed_tokens, self.block_table = token_ids, num_computed_tokens, block_table
+
+
+def test_where_the_native_step_cannot_serve_the_engine_says_why_and_decodes_in_python(default_tokenizer):
+    cpu = kernels.select(default_cache_dir())
+    cases = [("none", torch.float32, "packed int8 or int4"), ("int8", torch.bfloat16, "computes in float32")]
+    for mode, dtype, reason in cases:
+        _, loaded = build_tiny(tiny_config("llama"), default_tokenizer, dtype=dtype)
+        quant.quantize(loaded.model, mode, loaded.device, dtype)
+        quant.pack_for_cpu(loaded.model, cpu)
+        engine = Engine(EngineConfig(dtype=str(dtype).removeprefix("torch."), quantization=mode), loaded=loaded).start()
+        try:
+            if cpu.path == "off":
+                reason = "kernel path is off"
+            assert reason in native_decode.unsupported_reason(loaded.model, engine.kv_cache, cpu, dtype)
+            assert engine.decode_step == "eager" and engine.runner.native_decode is None
+            [completion] = engine.generate([[5, 6, 7]], PARAMS)
+            assert len(completion.choices[0].token_ids) == PARAMS.max_tokens
+        finally:
+            engine.stop()
