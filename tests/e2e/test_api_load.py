@@ -115,7 +115,8 @@ def test_a_client_leaving_before_a_plain_answer_leaves_nothing_running(live_serv
 def guarded_server():
     """Its own server: an API key, one sequence at a time and room for one waiting request."""
     process, base_url, log_path = start_server(
-        "--dtype", "float32", "--max-num-seqs", "1", "--max-waiting", "1", "--no-compile", env={"TERN_API_KEY": API_KEY},
+        "--dtype", "float32", "--quantization", "none", "--max-num-seqs", "1", "--max-waiting", "1", "--no-compile",
+        env={"TERN_API_KEY": API_KEY},
         log_name="guarded-server",
     )
     try:
