@@ -38,8 +38,11 @@ chromium:
 run: install
 	$(PY) app.py $(ARGS)
 
+# Then the engine's fast tests once more with Tern's CPU kernels off: the aten fallback CPUs without a kernel path
+# (no compiler, ARM) take. The kernel tests themselves run every path this CPU has in the first run.
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+	TERN_CPU_KERNELS=off $(PY) -m pytest -m "not slow" -q tests/engine $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -26,6 +26,9 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = weight_int8.shape
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("scales", scales)
+        # For _weight_int8pack_mm, whose inductor lowering wants its scales as a tensor, not a cast; an attribute,
+        # not a buffer, so that casting the model to its dtype leaves it bf16.
+        self.scales_bf16 = scales.to(torch.bfloat16)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -34,7 +37,7 @@ class Int8Linear(nn.Module):
             # aten's kernel reads fp32 activations ~10x slower than bf16 ones (431 against 40 us for a
             # 1536x576 matrix on an AVX2 CPU), so fp32 rows go through it in bf16.
             flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-            out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales.to(torch.bfloat16))
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales_bf16)
             out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         else:
             out = F.linear(x, self.weight_int8.to(x.dtype)) * self.scales.to(x.dtype)

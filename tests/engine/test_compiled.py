@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from conftest import tiny_quantized_engine
+from conftest import cpu_kernels, tiny_quantized_engine
 
 PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
 
@@ -72,8 +72,9 @@ def test_compiled_decode_gives_the_eager_twins_tokens(default_tokenizer, dtype, 
         compiled.stop()
     if tie == 0.0:  # fp32: exactly the eager tokens, logprobs to float rounding
         assert [ids for ids, _ in ours] == [ids for ids, _ in expected]
-        # int8/int4 quantize activations: a fused op's last-bit difference can move a value to the next step.
-        tie = 1e-4 if mode == "none" else 2e-3
+        # int8/int4 quantize activations: a fused op's last-bit difference can move a value to the next step;
+        # without Tern's kernels (TERN_CPU_KERNELS=off) aten's int8pack/int4pack round them to bf16 instead.
+        tie = 1e-4 if mode == "none" else 2e-3 if cpu_kernels().int8_mm is not None else 0.05
     _assert_same_up_to_ties(ours, expected, tie)
     flipped = sum(a != b for (a, _), (b, _) in zip(ours, expected))
     # The tiny random model is nearly uniform (logprobs ~ -10.8), so bf16 ties are common; most still agree.
