@@ -1,7 +1,7 @@
 """Build Tern's CPU kernels into one shared library, once per machine, and load it as torch.ops.tern.
 
 Each kernel file is compiled with its own instruction-set flags (AVX2 files with -mavx2 -mfma -mf16c, so they are
-AVX2 code even on an AVX512 machine), in parallel; only ops.cpp includes torch's headers. The library is kept in
+AVX2 code even on an AVX512 machine), in parallel; only ops.cpp (with decode_step.h) includes torch's headers. The library is kept in
 `<cache dir>/kernels`, named by a hash of the sources, flags, compiler and torch version; a cache folder that
 cannot be written falls back to a temporary one. A build that hangs is stopped after BUILD_TIMEOUT_S.
 """
@@ -37,13 +37,14 @@ KERNEL_SOURCES = {
     "int8_avx2.cpp": "avx2",
     "int4_avx2.cpp": "avx2",
     "decode_attention_avx2.cpp": "avx2",
-    "decode_step.cpp": "avx2",
     "int8_avx512.cpp": "avx512",
     "decode_attention_avx512.cpp": "avx512",
     "bf16_avx512.cpp": "avx512_bf16",
 }
-# Files that include torch's headers (slow to compile; they get torch's include paths and the build's defines).
-TORCH_SOURCES = ("ops.cpp", "decode_step.cpp")
+
+
+
+OPS_ISA = "avx2"  # ops.cpp (the torch bindings and the native decode step): every kernel path needs AVX2
 
 
 class BuildError(RuntimeError):
@@ -83,7 +84,8 @@ def load_library(isas: tuple[str, ...], cache_dir: Path) -> Path:
 def _key(cxx: str, sources: list[str], defines: list[str]) -> str:
     parts = [torch.__version__, _compiler_version(cxx), " ".join(COMMON_FLAGS), " ".join(defines)]
     for path in sorted(CSRC.glob("*.h")) + [CSRC / "ops.cpp"] + [CSRC / name for name in sources]:
-        parts += [path.name, " ".join(ISA_FLAGS.get(KERNEL_SOURCES.get(path.name, ""), ())), path.read_text()]
+        isa = OPS_ISA if path.name == "ops.cpp" else KERNEL_SOURCES.get(path.name, "")
+        parts += [path.name, " ".join(ISA_FLAGS.get(isa, ())), path.read_text()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -95,7 +97,7 @@ def _compiler_version(cxx: str) -> str:
 
 
 def _build(cxx: str, sources: list[str], defines: list[str], folder: Path, library: Path) -> None:
-    """Compile every file in parallel (the two with torch's headers take ~15 s; each kernel ~1 s), link,
+    """Compile every file in parallel (ops.cpp, with torch's headers, takes ~15 s; each kernel ~1 s), link,
     then move the library into place atomically, so a concurrent start never loads half a file."""
     from torch.utils import cpp_extension
 
@@ -108,11 +110,10 @@ def _build(cxx: str, sources: list[str], defines: list[str], folder: Path, libra
     started = time.monotonic()
     logger.info("building Tern's CPU kernels (once per machine, ~20 s) into %s", folder)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as tmp:
-        jobs = [[cxx, *COMMON_FLAGS, *defines, *torch_flags, "-c", str(CSRC / "ops.cpp"), "-o", f"{tmp}/ops.o"]]
-        for name in sources:
-            extra = [*defines, *torch_flags] if name in TORCH_SOURCES else []
-            jobs.append([cxx, *COMMON_FLAGS, *ISA_FLAGS[KERNEL_SOURCES[name]], *extra, "-c", str(CSRC / name), "-o",
-                         f"{tmp}/{name}.o"])
+        jobs = [[cxx, *COMMON_FLAGS, *ISA_FLAGS[OPS_ISA], *defines, *torch_flags, "-c", str(CSRC / "ops.cpp"), "-o",
+                 f"{tmp}/ops.o"]]
+        jobs += [[cxx, *COMMON_FLAGS, *ISA_FLAGS[KERNEL_SOURCES[name]], "-c", str(CSRC / name), "-o", f"{tmp}/{name}.o"]
+                 for name in sources]
         with concurrent.futures.ThreadPoolExecutor(max(os.cpu_count() or 1, 1)) as pool:
             for _ in pool.map(_run, jobs):
                 pass

@@ -1,8 +1,10 @@
-// torch.ops.tern.*: tensor checks, buffers and threading around the plain kernels of kernels.h.
+// torch.ops.tern.*: tensor checks, buffers and threading around the plain kernels of kernels.h, and the native
+// decode step (decode_step.h) as torch.classes.tern.DecodeStep.
 //
-// Compiled without instruction-set flags: it runs on any CPU and only calls the <kernel>_<isa>.cpp functions
-// that the build compiled for this one (TERN_WITH_AVX2, TERN_WITH_AVX512, TERN_WITH_AVX512_BF16). Which of the
-// registered operators runs is engine/kernels' decision, made once per process.
+// The one file that includes torch's headers (~15 s to compile; the kernels take ~1 s each). Compiled for AVX2,
+// which every kernel path needs; it calls only the <kernel>_<isa>.cpp functions the build compiled for this CPU
+// (TERN_WITH_AVX512, TERN_WITH_AVX512_BF16). Which of the registered operators runs is engine/kernels' decision,
+// made once per process.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -10,6 +12,7 @@
 
 #include <vector>
 
+#include "decode_step.h"
 #include "kernels.h"
 #include "matmul.h"
 
@@ -113,6 +116,12 @@ TORCH_LIBRARY(tern, m) {
 #ifdef TERN_WITH_AVX512_BF16
   m.def("bf16_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
 #endif
+}
+
+TORCH_LIBRARY_FRAGMENT(tern, m) {
+  m.class_<tern::DecodeStep>("DecodeStep")
+      .def(torch::init<std::string, int64_t, int64_t, int64_t, double, std::vector<at::Tensor>, std::vector<int64_t>>())
+      .def("forward", &tern::DecodeStep::forward);
 }
 
 TORCH_LIBRARY_IMPL(tern, CPU, m) {

@@ -1,5 +1,5 @@
 // Tern's native decode step: every decoder layer of a Llama-family model for one new token per sequence, in one
-// call, registered as the TorchScript class torch.classes.tern.DecodeStep.
+// call; ops.cpp registers it as the TorchScript class torch.classes.tern.DecodeStep.
 //
 // Run from Python, a decode step of the 135M default model is ~400 small torch calls: compiled, its dynamo guards,
 // the generated wrapper and the dispatcher took ~4-5 ms of a ~10 ms token on 2 cores, while the matmuls took ~4.5.
@@ -8,11 +8,11 @@
 // and residual; matmuls and attention use the kernels of kernels.h (int8 or 4-bit weights). Activations are
 // float32. The math is the eager model's (engine/models/llama.py), step for step and without fused multiply-adds,
 // so the two differ only in summation order; the tests hold it to the eager model's tokens.
+#pragma once
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <torch/custom_class.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <string>
@@ -208,9 +208,3 @@ class DecodeStep : public torch::CustomClassHolder {
 
 }  // namespace
 }  // namespace tern
-
-TORCH_LIBRARY_FRAGMENT(tern, m) {
-  m.class_<tern::DecodeStep>("DecodeStep")
-      .def(torch::init<std::string, int64_t, int64_t, int64_t, double, std::vector<at::Tensor>, std::vector<int64_t>>())
-      .def("forward", &tern::DecodeStep::forward);
-}
