@@ -103,7 +103,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         default=env("TERN_CUDA_GRAPHS", "1").lower() in ("1", "true", "yes"),
         help="on CUDA, replay decode steps from captured CUDA graphs (TERN_CUDA_GRAPHS)",
     )
-    parser.add_argument("--api-key", default=env("TERN_API_KEY"), help="require this bearer key on /v1 (TERN_API_KEY)")
+    parser.add_argument("--api-key", default=env("TERN_API_KEY"), help="require this key on /v1 and the tokenizer routes (a bearer token) and in the UI (its login's password); "
+        "/health, /ready and /metrics stay open (TERN_API_KEY)")
     parser.add_argument(
         "--served-model-name", default=env("TERN_SERVED_MODEL_NAME"), help="model id clients see (TERN_SERVED_MODEL_NAME)"
     )
@@ -138,7 +139,7 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
     from fastapi import FastAPI
 
     from api import RequestIDMiddleware, build_router, install_error_handlers
-    from ui import build_ui
+    from ui import LOGIN_MESSAGE, build_ui, key_login
 
     server = server or ServerSettings()
     engine_config = engine_config or EngineConfig()
@@ -159,8 +160,10 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
     install_error_handlers(app)
     app.add_middleware(RequestIDMiddleware)  # every response, the UI's too, carries X-Request-ID
     app.include_router(build_router(handle, api_key=server.api_key))
-    # Mounted last: a mount at "/" catches every path not matched above.
-    return gr.mount_gradio_app(app, build_ui(handle), path="/")
+    # Mounted last: a mount at "/" catches every path not matched above. With an API key the UI asks for it too:
+    # Gradio's own HTTP API (what gradio_client calls) runs the model as /v1 does.
+    login = key_login(server.api_key) if server.api_key else None
+    return gr.mount_gradio_app(app, build_ui(handle), path="/", auth=login, auth_message=LOGIN_MESSAGE if login else None)
 
 
 def main(argv: list[str] | None = None) -> int:

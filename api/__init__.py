@@ -16,7 +16,8 @@ _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
 
 def build_router(handle: EngineHandle, api_key: str | None = None) -> APIRouter:
-    """All API routes over one engine handle. With api_key, every /v1 route needs `Authorization: Bearer <key>`."""
+    """All API routes over one engine handle. With api_key, every route that runs the model or its tokenizer needs
+    `Authorization: Bearer <key>`; /health, /ready and /metrics (api.server.OPEN_PATHS) stay open for probes."""
     server = Server(handle, api_key)
     route_class = server.route_class()
     # The bearer dependency only documents the key in /openapi.json; the route class checks it.
@@ -31,11 +32,13 @@ def build_router(handle: EngineHandle, api_key: str | None = None) -> APIRouter:
     async def unknown_route(request: Request, path: str):
         raise OpenAIError(404, f"Invalid URL ({request.method} /v1/{path})", code="unknown_url")
 
-    top = APIRouter(route_class=route_class)
-    tokenize.add_routes(top, server)
-    models.add_status_routes(top, server)
+    tokenizer = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)] if server.api_key else None)
+    tokenize.add_routes(tokenizer, server)
+    status = APIRouter(route_class=route_class)
+    models.add_status_routes(status, server)
 
     router = APIRouter()
     router.include_router(v1)
-    router.include_router(top)
+    router.include_router(tokenizer)
+    router.include_router(status)
     return router

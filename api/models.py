@@ -24,12 +24,15 @@ def add_routes(router: APIRouter, server: Server) -> None:
 
 
 def add_status_routes(router: APIRouter, server: Server) -> None:
+    # /healthz and /readyz: the names Kubernetes probes and many deploy templates use.
     @router.get("/health", responses=ERRORS, summary="200 once the model is loaded, 503 before")
+    @router.get("/healthz", responses=ERRORS, summary="The same as /health")
     async def health() -> dict:
         engine = server.engine()
         return {"status": "ok", "model": server.model_name, "device": str(engine.device)}
 
     @router.get("/ready", responses=ERRORS, summary="200 when new requests would be queued, else 503")
+    @router.get("/readyz", responses=ERRORS, summary="The same as /ready")
     async def ready() -> dict:
         """For load balancers: loaded, and the waiting queue has room (else a request would get a 429)."""
         engine = server.engine()

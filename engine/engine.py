@@ -46,6 +46,8 @@ class EngineStats:
     num_preemptions: int
     tokens_per_s: float  # generated tokens per second over the last few seconds
     num_prefix_cache_hits: int = 0  # KV blocks reused from the prefix cache since start
+    num_steps: int = 0  # model steps run since start, for every caller (the API, the UI, scoring)
+    num_generated_tokens: int = 0  # tokens sampled since start, for every caller
 
     @property
     def kv_cache_usage(self) -> float:
@@ -143,6 +145,8 @@ class Engine:
         self._aborts: deque[str] = deque()
         self._requests: dict[str, tuple[Request, RequestStream]] = {}  # engine thread only
         self._recent_tokens: deque[tuple[float, int]] = deque()
+        self._num_steps = 0
+        self._num_generated_tokens = 0
         logger.info(
             "engine ready: %s (%s, %s, %s), max_model_len %d, %d KV blocks of %d tokens, %d tokens per step",
             self.model_name,
@@ -348,6 +352,8 @@ class Engine:
             self.scheduler.num_preemptions,
             tokens_per_s,
             self.allocator.num_cached_hits,
+            self._num_steps,
+            self._num_generated_tokens,
         )
 
     # Validation (caller's thread).
@@ -449,6 +455,8 @@ class Engine:
             if not s and seq.max_tokens == 0 and seq.num_computed_tokens >= seq.num_tokens:
                 self._emit(seq, [], "", None, "length")
         self._recent_tokens.append((time.monotonic(), len(results)))
+        self._num_steps += 1
+        self._num_generated_tokens += len(results)
         while len(self._recent_tokens) > 1000:
             self._recent_tokens.popleft()
 
