@@ -8,7 +8,14 @@ import time
 import pytest
 import torch
 
-from engine import ContextLengthExceededError, InvalidRequestError, QueueFullError, SamplingParams
+from engine import (
+    FINISH_ABORT,
+    ContextLengthExceededError,
+    DrainingError,
+    InvalidRequestError,
+    QueueFullError,
+    SamplingParams,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -195,6 +202,35 @@ def test_bad_requests_raise_before_anything_is_queued(tiny_engine_factory):
         SamplingParams(logprobs=21)
     [ok] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2))  # the engine still serves
     assert len(ok.choices[0].token_ids) == 2
+
+
+def test_a_draining_engine_finishes_what_runs_and_refuses_the_rest(tiny_engine_factory):
+    engine, _ = tiny_engine_factory()
+    prompt = _prompts(1)[0]
+    [alone] = engine.generate([prompt], GREEDY)
+    stream = engine.submit(prompt, GREEDY)
+    engine.drain()
+    assert engine.is_draining and engine.has_requests
+    with pytest.raises(DrainingError):
+        engine.submit(prompt, GREEDY)
+    outputs = list(stream)  # the request admitted before the drain runs to its own end
+    assert [t for out in outputs for t in out.token_ids] == alone.choices[0].token_ids
+    assert outputs[-1].finish_reason == "length"
+    _wait_until(lambda: not engine.has_requests)
+
+
+def test_abort_all_ends_every_sample_with_abort_and_frees_the_cache(tiny_engine_factory):
+    engine, _ = tiny_engine_factory(max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, n=2)
+    running = engine.submit(_prompts(1)[0], params)
+    next(running)  # decoding
+    waiting = engine.submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    engine.drain()
+    engine.abort_all()
+    for stream, num_samples in ((running, 2), (waiting, 1)):
+        finishes = [out.finish_reason for out in stream if out.finish_reason is not None]
+        assert finishes == [FINISH_ABORT] * num_samples  # every sample learns how it ended, once
+    _wait_until(lambda: not engine.has_requests and engine.stats().num_kv_blocks_used == 0)
 
 
 def test_a_full_queue_refuses_instead_of_growing(tiny_engine_factory):
