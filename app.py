@@ -13,6 +13,7 @@ import sys
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+from api.shutdown import DEFAULT_DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S, DrainingServer
 from engine import Engine, EngineConfig, EngineHandle, ModelLoadError
 from engine.config import DTYPES, DEVICES, QUANTIZATIONS
 
@@ -26,6 +27,7 @@ class ServerSettings:
     api_key: str | None = None
     served_model_name: str | None = None
     log_level: str = "info"
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # on SIGTERM/SIGINT, how long running requests may finish
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineConfig, bool]:
@@ -108,13 +110,28 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
     parser.add_argument(
         "--served-model-name", default=env("TERN_SERVED_MODEL_NAME"), help="model id clients see (TERN_SERVED_MODEL_NAME)"
     )
+    parser.add_argument(
+        "--drain-timeout",
+        type=_non_negative_float,
+        default=float(env("TERN_DRAIN_TIMEOUT", str(DEFAULT_DRAIN_TIMEOUT_S))),
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, new requests get 503 while running ones get this long to finish; the rest then end "
+        "with finish_reason \"abort\" (default %(default)g; TERN_DRAIN_TIMEOUT)",
+    )
     parser.add_argument("--cache-dir", default=env("TERN_CACHE"), help="converted models and built CPU kernels, default ~/.cache/tern (TERN_CACHE)")
     parser.add_argument("--log-level", default=env("TERN_LOG_LEVEL", "info"), help="(TERN_LOG_LEVEL)")
     parser.add_argument(
         "--prepare-only", action="store_true", help="convert and cache the model, then exit (used at image build time)"
     )
     args = parser.parse_args(argv)
-    server = ServerSettings(args.host, args.port, args.api_key, args.served_model_name, args.log_level)
+    server = ServerSettings(
+        args.host,
+        args.port,
+        args.api_key,
+        args.served_model_name,
+        args.log_level,
+        drain_timeout_s=args.drain_timeout,
+    )
     engine_config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -188,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    uvicorn.run(create_app(server, engine_config), host=server.host, port=server.port, log_level=server.log_level)
+    app = create_app(server, engine_config)
+    config = uvicorn.Config(app, host=server.host, port=server.port, log_level=server.log_level,
+                            timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
+    DrainingServer(config, app.state.handle, server.drain_timeout_s).run()  # returns once drained
     return 0
 
 
@@ -201,6 +221,13 @@ def _load_engine(handle: EngineHandle, config: EngineConfig) -> None:
     except Exception as exc:  # keep serving /health with the reason rather than dying silently
         logger.exception("model failed to load")
         handle.set_error(f"{type(exc).__name__}: {exc}")
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
 
 
 def _int_env(name: str) -> int | None:

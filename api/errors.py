@@ -8,11 +8,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from engine import ContextLengthExceededError, EngineError, ModelLoadError, NoChatTemplateError, QueueFullError
+from engine import (
+    ContextLengthExceededError,
+    DrainingError,
+    EngineError,
+    ModelLoadError,
+    NoChatTemplateError,
+    QueueFullError,
+)
 
 logger = logging.getLogger(__name__)
 
-# Seconds a client should wait before retrying a 429 (queue full) or a 503 (model loading).
+# Seconds a client should wait before retrying a 429 (queue full) or a 503 (model loading, shutting down).
 RETRY_AFTER_S = 1
 
 # Pydantic tags a union member in an error's location (("prompt", "list[int]", 0)); they are no field names.
@@ -79,7 +86,14 @@ def model_loading(reason: str | None) -> OpenAIError:
     return OpenAIError(503, message, "service_unavailable_error", code="model_not_ready", headers=_retry_after())
 
 
+def shutting_down(message: str = "the server is shutting down and takes no new requests; retry shortly") -> OpenAIError:
+    """503 while the server drains: a retry reaches another replica, or this one restarted."""
+    return OpenAIError(503, message, "service_unavailable_error", code="server_shutting_down", headers=_retry_after())
+
+
 def _from_engine(exc: EngineError) -> OpenAIError:
+    if isinstance(exc, DrainingError):
+        return shutting_down()
     if isinstance(exc, QueueFullError):
         return OpenAIError(429, exc.message, "rate_limit_error", code="rate_limit_exceeded", headers=_retry_after())
     if isinstance(exc, ModelLoadError):
