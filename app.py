@@ -13,6 +13,7 @@ import sys
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+from api.limits import DEFAULT_MAX_BODY_SIZE_BYTES
 from api.shutdown import DEFAULT_DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S, DrainingServer
 from engine import Engine, EngineConfig, EngineHandle, ModelLoadError
 from engine.config import DTYPES, DEVICES, QUANTIZATIONS
@@ -28,6 +29,7 @@ class ServerSettings:
     served_model_name: str | None = None
     log_level: str = "info"
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # on SIGTERM/SIGINT, how long running requests may finish
+    max_body_size_bytes: int = DEFAULT_MAX_BODY_SIZE_BYTES
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineConfig, bool]:
@@ -118,6 +120,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         help="on SIGTERM/SIGINT, new requests get 503 while running ones get this long to finish; the rest then end "
         "with finish_reason \"abort\" (default %(default)g; TERN_DRAIN_TIMEOUT)",
     )
+    parser.add_argument(
+        "--max-body-size",
+        type=_positive_int,
+        default=int(env("TERN_MAX_BODY_SIZE", str(DEFAULT_MAX_BODY_SIZE_BYTES))),
+        metavar="BYTES",
+        help="larger request bodies get 413 (default %(default)d = 8 MiB; TERN_MAX_BODY_SIZE)",
+    )
     parser.add_argument("--cache-dir", default=env("TERN_CACHE"), help="converted models and built CPU kernels, default ~/.cache/tern (TERN_CACHE)")
     parser.add_argument("--log-level", default=env("TERN_LOG_LEVEL", "info"), help="(TERN_LOG_LEVEL)")
     parser.add_argument(
@@ -131,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         args.served_model_name,
         args.log_level,
         drain_timeout_s=args.drain_timeout,
+        max_body_size_bytes=args.max_body_size,
     )
     engine_config = EngineConfig(
         model=args.model,
@@ -155,7 +165,7 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
     import gradio as gr
     from fastapi import FastAPI
 
-    from api import RequestIDMiddleware, build_router, install_error_handlers
+    from api import BodySizeLimitMiddleware, RequestIDMiddleware, build_router, install_error_handlers
     from ui import LOGIN_MESSAGE, build_ui, key_login
 
     server = server or ServerSettings()
@@ -175,6 +185,8 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
     app = FastAPI(title="Tern", version="0.1.0", lifespan=lifespan)
     app.state.handle = handle
     install_error_handlers(app)
+    # The last added runs first: a 413 carries its request id too.
+    app.add_middleware(BodySizeLimitMiddleware, max_body_size_bytes=server.max_body_size_bytes)
     app.add_middleware(RequestIDMiddleware)  # every response, the UI's too, carries X-Request-ID
     app.include_router(build_router(handle, api_key=server.api_key))
     # Mounted last: a mount at "/" catches every path not matched above. With an API key the UI asks for it too:
@@ -227,6 +239,13 @@ def _non_negative_float(text: str) -> float:
     value = float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
     return value
 
 

@@ -49,6 +49,15 @@ class OpenAIError(Exception):
         return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
 
+class RequestTooLargeError(HTTPException):
+    """The request body is over --max-body-size. An HTTPException, so FastAPI's body reading passes it on as is."""
+
+    def __init__(self, max_body_size_bytes: int) -> None:
+        message = (f"The request body is larger than this server's limit of {max_body_size_bytes} bytes "
+                   "(--max-body-size); send fewer or shorter prompts.")
+        super().__init__(413, message)
+
+
 class ClientDisconnected(Exception):
     """The client went away before its answer was ready; its engine requests were aborted."""
 
@@ -64,6 +73,8 @@ def to_openai_error(exc: Exception) -> OpenAIError:
     if isinstance(exc, ClientDisconnected):
         # nginx's "client closed request": only our logs and metrics ever see it.
         return OpenAIError(499, "the client closed the connection", "client_closed_request")
+    if isinstance(exc, RequestTooLargeError):
+        return OpenAIError(413, str(exc.detail), code="request_too_large")
     if isinstance(exc, HTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return OpenAIError(exc.status_code, str(exc.detail), kind, headers=exc.headers)

@@ -402,7 +402,7 @@ class Engine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens or 0} for the completion). "
                 "Please reduce the prompt or the completion length.",
-                "max_tokens" if params.max_tokens else "prompt",
+                "prompt" if len(prompt_ids) >= self.max_model_len else "max_tokens",
             )
 
     def _split_for_scoring(self, context, continuation) -> tuple[list[int], list[int]]:
