@@ -30,6 +30,7 @@ class ServerSettings:
     log_level: str = "info"
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # on SIGTERM/SIGINT, how long running requests may finish
     max_body_size_bytes: int = DEFAULT_MAX_BODY_SIZE_BYTES
+    cors_origins: tuple[str, ...] = ()  # none: no CORS headers
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineConfig, bool]:
@@ -127,6 +128,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         metavar="BYTES",
         help="larger request bodies get 413 (default %(default)d = 8 MiB; TERN_MAX_BODY_SIZE)",
     )
+    parser.add_argument(
+        "--cors-origins",
+        default=env("TERN_CORS_ORIGINS", ""),
+        metavar="ORIGINS",
+        help="comma-separated origins (or *) whose web pages may call /v1 and the tokenizer routes; default none "
+        "(TERN_CORS_ORIGINS)",
+    )
     parser.add_argument("--cache-dir", default=env("TERN_CACHE"), help="converted models and built CPU kernels, default ~/.cache/tern (TERN_CACHE)")
     parser.add_argument("--log-level", default=env("TERN_LOG_LEVEL", "info"), help="(TERN_LOG_LEVEL)")
     parser.add_argument(
@@ -141,6 +149,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         args.log_level,
         drain_timeout_s=args.drain_timeout,
         max_body_size_bytes=args.max_body_size,
+        cors_origins=tuple(origin.strip() for origin in args.cors_origins.split(",") if origin.strip()),
     )
     engine_config = EngineConfig(
         model=args.model,
@@ -165,7 +174,7 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
     import gradio as gr
     from fastapi import FastAPI
 
-    from api import BodySizeLimitMiddleware, RequestIDMiddleware, build_router, install_error_handlers
+    from api import APICORSMiddleware, BodySizeLimitMiddleware, RequestIDMiddleware, build_router, install_error_handlers
     from ui import LOGIN_MESSAGE, build_ui, key_login
 
     server = server or ServerSettings()
@@ -185,9 +194,11 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
     app = FastAPI(title="Tern", version="0.1.0", lifespan=lifespan)
     app.state.handle = handle
     install_error_handlers(app)
-    # The last added runs first: a 413 carries its request id too.
+    # The last added runs first: CORS headers reach every API answer (a 401 or 413 too), each with its request id.
     app.add_middleware(BodySizeLimitMiddleware, max_body_size_bytes=server.max_body_size_bytes)
     app.add_middleware(RequestIDMiddleware)  # every response, the UI's too, carries X-Request-ID
+    if server.cors_origins:
+        app.add_middleware(APICORSMiddleware, origins=list(server.cors_origins))
     app.include_router(build_router(handle, api_key=server.api_key))
     # Mounted last: a mount at "/" catches every path not matched above. With an API key the UI asks for it too:
     # Gradio's own HTTP API (what gradio_client calls) runs the model as /v1 does.

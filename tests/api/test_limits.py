@@ -1,5 +1,5 @@
 """Limits that protect the process, the HTTP side: body size (413), bounds on what one request may ask for (400),
-and 503 with Retry-After while the server drains. The API here has no model (the
+CORS only for allowed origins, and 503 with Retry-After while the server drains. The API here has no model (the
 handle is empty, as while loading), which every check below comes before."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from api import BodySizeLimitMiddleware, RequestIDMiddleware, build_router, install_error_handlers
+from api import APICORSMiddleware, BodySizeLimitMiddleware, RequestIDMiddleware, build_router, install_error_handlers
 from api.errors import OpenAIError, to_openai_error
 from api.protocol import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
 from api.scoring import LoglikelihoodRequest
@@ -18,14 +18,18 @@ from engine.params import MAX_LOGIT_BIAS, MAX_STOP_STRINGS
 
 CHAT = "/v1/chat/completions"
 HI = {"messages": [{"role": "user", "content": "hi"}]}
+ORIGIN = "https://app.example"
 
 
-def api_client(max_body_size_bytes: int = 1024, handle: EngineHandle | None = None) -> TestClient:
+def api_client(max_body_size_bytes: int = 1024, cors_origins: list[str] | None = None,
+               handle: EngineHandle | None = None) -> TestClient:
     """The API as app.py wires it, minus the UI and the model."""
     app = FastAPI()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_size_bytes=max_body_size_bytes)
     app.add_middleware(RequestIDMiddleware)
+    if cors_origins:
+        app.add_middleware(APICORSMiddleware, origins=cors_origins)
     app.include_router(build_router(handle or EngineHandle()))
     return TestClient(app)
 
@@ -106,6 +110,52 @@ def test_bounds_in_the_body_schema_are_400s_over_http():
     ]:
         response = client.post(path, json=body)
         assert response.status_code == 400 and error_of(response)["param"] == param, body
+
+
+# CORS.
+def preflight(client: TestClient, origin: str, path: str = CHAT):
+    return client.options(path, headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    })
+
+
+def cors_headers(response) -> dict[str, str]:
+    return {k: v for k, v in response.headers.items() if k.startswith("access-control-")}
+
+
+def test_an_allowed_origins_preflight_gets_the_allow_headers():
+    client = api_client(cors_origins=[ORIGIN, "http://localhost:3000"])
+    for path in (CHAT, "/v1/models", "/tokenize"):
+        response = preflight(client, ORIGIN, path)
+        assert response.status_code == 200
+        headers = cors_headers(response)
+        assert headers["access-control-allow-origin"] == ORIGIN
+        assert "POST" in headers["access-control-allow-methods"]
+        assert "authorization" in headers["access-control-allow-headers"].lower()
+    # The answer itself (a 503 here: no model) carries the origin, and lets the page read its request id.
+    response = client.post(CHAT, json=HI, headers={"Origin": ORIGIN})
+    assert response.headers["access-control-allow-origin"] == ORIGIN
+    assert "x-request-id" in response.headers["access-control-expose-headers"].lower()
+
+
+def test_a_disallowed_origin_gets_no_cors_headers():
+    client = api_client(cors_origins=[ORIGIN])
+    response = preflight(client, "https://evil.example")
+    assert response.status_code == 400 and cors_headers(response) == {}
+    assert error_of(response)["code"] == "cors_origin_not_allowed"
+    assert cors_headers(client.post(CHAT, json=HI, headers={"Origin": "https://evil.example"})) == {}
+
+
+def test_without_cors_origins_nothing_is_sent_and_other_paths_are_left_alone():
+    assert cors_headers(preflight(api_client(), ORIGIN)) == {}
+    assert cors_headers(api_client().post(CHAT, json=HI, headers={"Origin": ORIGIN})) == {}
+    assert cors_headers(api_client(cors_origins=[ORIGIN]).get("/health", headers={"Origin": ORIGIN})) == {}
+
+
+def test_a_wildcard_allows_any_origin():
+    response = preflight(api_client(cors_origins=["*"]), "https://anywhere.example")
+    assert response.status_code == 200 and response.headers["access-control-allow-origin"] == "*"
 
 
 # Draining.

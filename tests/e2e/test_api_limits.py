@@ -1,9 +1,12 @@
 """Limits that protect the real server, over raw HTTP: a body over --max-body-size is a 413 whether it says its
 length or comes chunked; what one request may ask for has upper bounds (400 naming the field); a prompt over the
-context is a 400 naming both numbers on every route that takes one. The server keeps serving after each."""
+context is a 400 naming both numbers on every route that takes one. The server keeps serving after each. And CORS:
+allowed origins get their headers, others none, and a server without --cors-origins sends none."""
 from __future__ import annotations
 
+import contextlib
 import socket
+import time
 from urllib.parse import urlsplit
 
 import httpx
@@ -18,15 +21,17 @@ COMPLETIONS = "/v1/completions"
 MAX_BODY_SIZE = 16384
 MAX_MODEL_LEN = 256
 HI = [{"role": "user", "content": "hi"}]
+ORIGIN = "https://app.example"
 LONG_TEXT = "The quick brown fox jumps over the lazy dog. " * 40  # ~400 tokens: over a 256-token context
 
 
 @pytest.fixture(scope="module")
 def limited_server():
-    """A small body limit and a short context, so that going over either costs little."""
+    """A small body limit and a short context, so that going over either costs little; CORS for two origins."""
     process, base_url, log_path = start_server(
         "--dtype", "float32", "--quantization", "none", "--no-compile",
         "--max-body-size", str(MAX_BODY_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
+        "--cors-origins", f"{ORIGIN}, http://localhost:3000",
         log_name="limited-server",
     )
     try:
@@ -40,6 +45,17 @@ def limited_server():
 def http(limited_server):
     with httpx.Client(base_url=limited_server, timeout=120) as client:
         yield client
+
+
+def wait_answering(process, base_url: str, log_path, timeout_s: float = 120.0) -> None:
+    """Until the server answers HTTP at all (with or without a model)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.get(f"{base_url}/health", timeout=2)
+            return
+        time.sleep(0.25)
 
 
 def raw_exchange(base_url: str, head: str, body_pieces: list[bytes] = ()) -> tuple[int, dict[str, str], bytes]:
@@ -140,3 +156,47 @@ def test_a_prompt_over_the_context_is_a_400_naming_both_numbers_on_every_route(h
         if prompt_tokens is not None:
             assert f"{prompt_tokens} in the prompt" in error["message"], error["message"]
     assert http.get("/health").status_code == 200
+
+
+# CORS.
+def preflight(base_url: str, origin: str, path: str = CHAT) -> httpx.Response:
+    headers = {"Origin": origin, "Access-Control-Request-Method": "POST",
+               "Access-Control-Request-Headers": "authorization, content-type"}
+    return httpx.options(f"{base_url}{path}", headers=headers, timeout=30)
+
+
+def cors_headers(response: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in response.headers.items() if k.startswith("access-control-")}
+
+
+def test_an_allowed_origin_gets_cors_headers_on_the_api(http, limited_server):
+    for path in (CHAT, "/v1/models", "/tokenize"):
+        allowed = preflight(limited_server, ORIGIN, path)
+        assert allowed.status_code == 200
+        assert allowed.headers["access-control-allow-origin"] == ORIGIN
+        assert "POST" in allowed.headers["access-control-allow-methods"]
+        assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
+    answer = http.post(CHAT, json={"messages": HI, "max_tokens": 1}, headers={"Origin": "http://localhost:3000"})
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "http://localhost:3000"
+    # The UI is same-origin: ours leaves it alone (Gradio has its own CORS handling, for localhost pages).
+    assert "access-control-allow-origin" not in http.get("/", headers={"Origin": ORIGIN}).headers
+
+
+def test_a_disallowed_origin_gets_no_cors_headers(http, limited_server):
+    refused = preflight(limited_server, "https://evil.example")
+    assert refused.status_code == 400 and cors_headers(refused) == {}
+    answer = http.post(CHAT, json={"messages": HI, "max_tokens": 1}, headers={"Origin": "https://evil.example"})
+    assert answer.status_code == 200 and cors_headers(answer) == {}  # served; the browser keeps it from the page
+
+
+def test_a_server_without_cors_origins_sends_none(tmp_path):
+    """Any server started without --cors-origins; one whose model cannot load starts in seconds and still answers."""
+    (tmp_path / "config.json").write_text("{}")
+    process, base_url, log_path = start_server("--model", str(tmp_path), log_name="no-cors-server")
+    try:
+        wait_answering(process, base_url, log_path)
+        assert cors_headers(preflight(base_url, ORIGIN)) == {}
+        answer = httpx.post(f"{base_url}{CHAT}", json={"messages": HI}, headers={"Origin": ORIGIN}, timeout=30)
+        assert answer.status_code == 503 and cors_headers(answer) == {}
+    finally:
+        stop_server(process)
