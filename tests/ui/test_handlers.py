@@ -193,6 +193,25 @@ def test_too_long_prompts_in_complete_and_score_are_readable_messages(tiny_engin
     assert collect(complete_text(tiny, "word", False, 0.0, 1.0, 0, 4, "", ""))[-1][0]  # still serving
 
 
+def test_a_shutdown_cuts_a_reply_short_and_refuses_new_ones_with_a_message(tiny_engine_factory):
+    engine, _ = tiny_engine_factory()
+    tiny = EngineHandle()
+    tiny.set_engine(engine)
+    _, history, _, _ = add_user_message("hi", [], False)
+
+    async def shut_down_mid_reply():
+        replies = generate_reply(tiny, history, *{**GREEDY, "max_tokens": 480}.values())
+        first = await replies.__anext__()
+        tiny.drain()
+        engine.abort_all()  # what a shutdown does once its drain timeout is over
+        return [first, *[out async for out in replies]]
+
+    _, cut, notice = asyncio.run(shut_down_mid_reply())[-1]
+    assert "shutting down" in notice and 0 < len(cut[-1]["tokens"]) < 480
+    with pytest.warns(UserWarning, match="shutting down"):
+        assert "takes no new requests" in ask(tiny, "hello")[2]
+
+
 def test_more_stop_sequences_than_allowed_is_a_readable_message(handle):
     with pytest.warns(UserWarning, match="at most 16 stop strings"):
         notice = ask(handle, "hi", stop="\n".join(f"s{i}" for i in range(17)))[2]
