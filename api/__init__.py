@@ -7,10 +7,12 @@ from engine import EngineHandle
 
 from api import chat, completions, models, scoring, tokenize
 from api.auth import bearer_scheme
+from api.cors import APICORSMiddleware
 from api.errors import OpenAIError, install_error_handlers
+from api.limits import BodySizeLimitMiddleware
 from api.server import RequestIDMiddleware, Server
 
-__all__ = ["RequestIDMiddleware", "build_router", "install_error_handlers"]
+__all__ = ["APICORSMiddleware", "BodySizeLimitMiddleware", "RequestIDMiddleware", "build_router", "install_error_handlers"]
 
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 

@@ -20,12 +20,12 @@ import torch
 
 from engine import compiled, cuda_graphs, loader, native_decode
 from engine.config import EngineConfig, batched_tokens_for
-from engine.errors import ContextLengthExceededError, InvalidRequestError, QueueFullError
+from engine.errors import ContextLengthExceededError, DrainingError, InvalidRequestError, QueueFullError
 from engine.kv_cache import BlockAllocator, KVCache, blocks_needed
 from engine.loader import LoadedModel
 from engine.models.generic import RecomputeRunner
 from engine.native_decode import NativeDecode
-from engine.outputs import Completion, ContinuationScore, RequestOutput
+from engine.outputs import FINISH_ABORT, Completion, ContinuationScore, RequestOutput
 from engine.request import Request, Sequence, TokenLogprob
 from engine.runner import ModelRunner
 from engine.sampler import sample, token_logprob
@@ -61,6 +61,8 @@ class Engine:
         self._lock = threading.Condition()
         self._running = False
         self._stopped = False
+        self._is_draining = False  # drain(): submit() refuses from now on
+        self._is_aborting_all = False  # abort_all() asked; the engine thread ends every request at its next turn
         # Every torch operation of the engine (loading, cache allocation, every step) runs on this one thread.
         # On few cores, a second thread running OpenMP regions (the caller's, had it loaded the model) makes
         # libgomp throttle every team's spin-waits: decode measured ~40% slower than from a single thread.
@@ -280,6 +282,29 @@ class Engine:
             self._thread.join(timeout=30)
             self._thread = None
 
+    def drain(self) -> None:
+        """Take no new requests from now on (submit() raises DrainingError); those already in run to their end.
+        A shutdown drains, waits until has_requests is False or its grace period is over, then calls abort_all()."""
+        with self._lock:
+            self._is_draining = True
+
+    @property
+    def is_draining(self) -> bool:
+        return self._is_draining
+
+    @property
+    def has_requests(self) -> bool:
+        """Whether any request is queued, waiting or running. Any thread may ask."""
+        with self._lock:  # the engine thread admits arrivals under it: none is ever in neither place
+            return bool(self._inbox or self._requests)
+
+    def abort_all(self) -> None:
+        """End every request at the engine thread's next turn: each unfinished sample gets a last output with
+        finish_reason FINISH_ABORT (its held-back text released) and its KV blocks are freed."""
+        with self._lock:
+            self._is_aborting_all = True
+            self._lock.notify()
+
     def __enter__(self) -> Engine:
         return self.start()
 
@@ -295,6 +320,8 @@ class Engine:
         request = Request(request_id or uuid.uuid4().hex, prompt_ids, params)
         stream = RequestStream(request.request_id)
         with self._lock:
+            if self._is_draining:
+                raise DrainingError("the engine is shutting down and takes no new requests")
             if len(self._inbox) + len(self.scheduler.waiting) >= self.config.max_waiting:
                 raise QueueFullError("too many requests are waiting; retry shortly")
             self._inbox.append((request, stream))
@@ -331,6 +358,8 @@ class Engine:
         pairs = [self._split_for_scoring(context, c) for c in continuations]
         params = SamplingParams(max_tokens=0, prompt_logprobs=1)
         completions = await asyncio.gather(*(self.complete(ctx + cont, params) for ctx, cont in pairs))
+        if any(not c.choices or c.choices[0].finish_reason == FINISH_ABORT for c in completions):
+            raise DrainingError("the engine shut down before scoring ended")
         scores = []
         for (ctx, cont), completion in zip(pairs, completions):
             entries = completion.prompt_logprobs[len(ctx) :]
@@ -373,7 +402,7 @@ class Engine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens or 0} for the completion). "
                 "Please reduce the prompt or the completion length.",
-                "max_tokens" if params.max_tokens else "prompt",
+                "prompt" if len(prompt_ids) >= self.max_model_len else "max_tokens",
             )
 
     def _split_for_scoring(self, context, continuation) -> tuple[list[int], list[int]]:
@@ -404,17 +433,20 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while self._running and not (self._inbox or self._aborts or self._warmup_blocks
-                                             or self.scheduler.has_work):
+                while self._running and not (self._inbox or self._aborts or self._is_aborting_all
+                                             or self._warmup_blocks or self.scheduler.has_work):
                     self._lock.wait()
                 if not self._running:
                     break
                 arrivals, self._inbox = list(self._inbox), deque()
                 aborts, self._aborts = list(self._aborts), deque()
-            for request, stream in arrivals:
-                self._admit(request, stream)
+                abort_all, self._is_aborting_all = self._is_aborting_all, False
+                for request, stream in arrivals:  # under the lock, so has_requests never misses one in transit
+                    self._admit(request, stream)
             for request_id in aborts:
                 self._abort_now(request_id)
+            if abort_all:
+                self._end_all()
             self._release_warmup_blocks()
             if self.scheduler.has_work:
                 self.step()
@@ -551,6 +583,13 @@ class Engine:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
         stream.close()
+
+    def _end_all(self) -> None:
+        """Every unfinished sample ends now with FINISH_ABORT, so each consumer sees how its request ended."""
+        for request, _ in list(self._requests.values()):
+            for seq in request.sequences:
+                if not seq.is_finished:
+                    self._emit(seq, [], seq.output_text.finish(), None, FINISH_ABORT)
 
     def _fail(self, request_id: str, exc: Exception) -> None:
         entry = self._requests.get(request_id)

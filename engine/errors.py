@@ -27,5 +27,9 @@ class QueueFullError(EngineError):
     """Too many requests are waiting; the client should retry later."""
 
 
+class DrainingError(EngineError):
+    """The engine is draining (the server is shutting down): it finishes what runs and takes nothing new."""
+
+
 class ModelLoadError(EngineError):
     """The model could not be found or loaded; the message is one line a user can act on."""

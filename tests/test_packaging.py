@@ -74,10 +74,28 @@ def test_cli_help_lists_every_flag():
     out = subprocess.run([sys.executable, str(ROOT / "app.py"), "--help"], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     for flag in ["--host", "--port", "--model", "--dtype", "--device", "--quantization", "--max-model-len",
-                 "--max-num-seqs", "--api-key", "--served-model-name"]:
+                 "--max-num-seqs", "--api-key", "--served-model-name", "--drain-timeout", "--max-body-size",
+                 "--cors-origins"]:
         assert flag in out, flag
     assert "7860" in out
     assert "TERN_PORT" in out
+
+
+def test_drain_body_size_and_cors_flags_default_and_read_their_env(monkeypatch):
+    sys.path.insert(0, str(ROOT))
+    from app import parse_args
+
+    for name in ("TERN_DRAIN_TIMEOUT", "TERN_MAX_BODY_SIZE", "TERN_CORS_ORIGINS"):
+        monkeypatch.delenv(name, raising=False)
+    server, _, _ = parse_args([])
+    assert (server.drain_timeout_s, server.max_body_size_bytes, server.cors_origins) == (30.0, 8 * 1024 * 1024, ())
+    monkeypatch.setenv("TERN_DRAIN_TIMEOUT", "5")
+    monkeypatch.setenv("TERN_MAX_BODY_SIZE", "1000")
+    monkeypatch.setenv("TERN_CORS_ORIGINS", "https://a.example, http://localhost:3000")
+    server, _, _ = parse_args([])
+    assert (server.drain_timeout_s, server.max_body_size_bytes) == (5.0, 1000)
+    assert server.cors_origins == ("https://a.example", "http://localhost:3000")
+    assert parse_args(["--drain-timeout", "0"])[0].drain_timeout_s == 0.0  # end what runs at once
 
 
 def test_engine_imports_nothing_from_api_or_ui():
