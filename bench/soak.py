@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import random
+import re
 import shlex
 import socket
 import statistics
@@ -94,6 +95,7 @@ SCORE_PAIRS = [
     ("The opposite of hot is", " cold"),
     ("Roses are red, violets are", " blue"),
 ]
+_COUNTERS = ("tern_engine_generated_tokens", "tern_engine_steps")
 MAX_TOKENS = (16, 24, 32, 40, 48)  # bounded: on 2 cores the default model decodes ~300 tok/s across all streams
 KINDS = ("chat_stream", "logprobs", "n2", "loglikelihood", "stop")
 POOL_SIZES = {"chat_stream": len(CHAT_PROMPTS), "logprobs": len(COMPLETION_PROMPTS), "n2": len(CHAT_PROMPTS),
@@ -156,6 +158,7 @@ class Report:
     rss_before_bytes: int | None
     rss_after_bytes: int | None
     metrics_after: dict[str, float]
+    throughput: dict[str, float]  # the engine's generated tokens and steps while the clients ran (its counters)
 
     @property
     def passed(self) -> bool:
@@ -184,7 +187,7 @@ class Report:
             "config": self.config, "base_url": self.base_url, "pid": self.pid, "passed": self.passed,
             "by_kind": self.by_kind(), "statuses": dict(statuses),
             "rss_before_bytes": self.rss_before_bytes, "rss_after_bytes": self.rss_after_bytes,
-            "metrics_after": self.metrics_after, "checks": [asdict(c) for c in self.checks], "failures": failures,
+            "metrics_after": self.metrics_after, "throughput": self.throughput, "checks": [asdict(c) for c in self.checks], "failures": failures,
         }
 
     def summary(self) -> str:
@@ -201,7 +204,11 @@ class Report:
             lines.append(f"| {kind:<13} | {row['requests']:>8} | {row['completed']:>9} | {row['abandoned']:>9} | "
                          f"{row['errors']:>6} | {_seconds(row['p50_s'])} | {_seconds(row['p95_s'])} |")
         statuses = Counter(str(r.status) for r in self.records)
-        lines += ["", "statuses: " + ", ".join(f"{status} x{count}" for status, count in sorted(statuses.items()))]
+        run = self.throughput
+        lines += ["", f"engine while the clients ran ({run['seconds']:.0f} s, in-flight requests included): "
+                  f"{run['generated_tokens']:.0f} tokens generated ({run['generated_tokens'] / run['seconds']:.1f} "
+                  f"tok/s) in {run['steps']:.0f} steps"]
+        lines += ["statuses: " + ", ".join(f"{status} x{count}" for status, count in sorted(statuses.items()))]
         if self.rss_before_bytes and self.rss_after_bytes:
             change = self.rss_after_bytes / self.rss_before_bytes - 1
             lines.append(f"memory (VmRSS): before {self.rss_before_bytes / 2**20:.1f} MiB, after "
@@ -278,8 +285,12 @@ def listening_pid(port: int) -> int | None:
 
 
 def engine_load(base_url: str) -> dict[str, float]:
+    """What must be 0 on an idle server: sequences running, waiting, and KV blocks in use."""
+    return _scrape(base_url, ("tern_num_requests_running", "tern_num_requests_waiting", "tern_kv_cache_blocks_used"))
+
+
+def _scrape(base_url: str, names: tuple[str, ...]) -> dict[str, float]:
     text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    names = ("tern_num_requests_running", "tern_num_requests_waiting", "tern_kv_cache_blocks_used")
     found = {f.name: f.samples[0].value for f in text_string_to_metric_families(text) if f.name in names}
     return {name: found.get(name, math.nan) for name in names}
 
@@ -327,14 +338,20 @@ async def _run_soak(base_url: str, pid: int | None, config: SoakConfig) -> Repor
         await _wait_idle(base_url, config.idle_timeout_s)
         rss_before = rss_bytes(pid) if pid else None
         logger.info("%.0f s: soaking: %d clients for %.0f s", time.monotonic() - started, config.clients, config.duration_s)
+        counters = await asyncio.to_thread(_scrape, base_url, _COUNTERS)
+        run_started = time.monotonic()
         records = await _load(client, model, config, config.duration_s, seed=config.seed)
+        run_s = time.monotonic() - run_started
+        counters = {k: v - counters[k] for k, v in (await asyncio.to_thread(_scrape, base_url, _COUNTERS)).items()}
         idle = await _wait_idle(base_url, config.idle_timeout_s)
         rss_after = rss_bytes(pid) if pid else None
         logger.info("%.0f s: %d requests; sending each alone", time.monotonic() - started, len(records))
         await _replay(client, model, records, config)
         logger.info("%.0f s: done", time.monotonic() - started)
     checks = _checks(records, idle, rss_before, rss_after, config)
-    return Report(asdict(config), base_url, pid, records, checks, rss_before, rss_after, idle)
+    throughput = {"seconds": run_s, "generated_tokens": counters["tern_engine_generated_tokens"],
+                  "steps": counters["tern_engine_steps"]}
+    return Report(asdict(config), base_url, pid, records, checks, rss_before, rss_after, idle, throughput)
 
 
 async def _load(client: httpx.AsyncClient, model: str, config: SoakConfig, duration_s: float, seed: int) -> list[Record]:
@@ -379,15 +396,18 @@ async def _send(client: httpx.AsyncClient, record: Record, path: str, body: dict
     """Send one request, filling record: status, result (None when abandoned), problems with the answer."""
     if not body.get("stream"):
         task = asyncio.ensure_future(client.post(path, json=body))
-        if leave is not None:
-            done, _ = await asyncio.wait({task}, timeout=leave[1])
-            if not done:  # httpx closes the connection: the server should abort the request
+        try:
+            if leave is not None:
+                done, _ = await asyncio.wait({task}, timeout=leave[1])
+                record.abandoned = not done
+            response = None if record.abandoned else await task
+        finally:  # cancelled (left early, or timed out): httpx closes the connection, the server should abort
+            if not task.done():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-                record.abandoned = True
-                return
-        response = await task
+        if response is None:
+            return
         record.status = response.status_code
         if response.status_code != 200:
             record.error = response.text[:300]
@@ -623,6 +643,7 @@ def _checks(records: list[Record], idle: dict, rss_before: int | None, rss_after
     incomplete = [r for r in records if not r.abandoned and not r.hung and (r.status != 200 or r.problems)]
     wrong = [r for r in records if r.verdict.startswith("wrong")]
     verdicts = Counter(r.verdict.split(":")[0] for r in records if r.verdict)
+    gaps = [float(m.group(1)) for r in records if (m := re.search(r"\(([0-9.]+) nats apart\)", r.verdict))]
     checks = [
         Check("no 5xx", not server_errors, _examples(server_errors) or f"{len(records)} requests"),
         Check("none hung", not hung, _examples(hung) or f"every request ended within {config.timeout_s:.0f} s"),
@@ -630,7 +651,8 @@ def _checks(records: list[Record], idle: dict, rss_before: int | None, rss_after
               _examples(incomplete) or f"{sum(not r.abandoned for r in records)} complete"),
         Check("answers under load agree with answers alone", not wrong,
               "; ".join(f"{r.kind}[{r.key}] client {r.client} at {r.started_s:.1f} s: {r.verdict}"[:400]
-                        for r in wrong[:3]) or ", ".join(f"{v} {n}" for v, n in sorted(verdicts.items()))),
+                        for r in wrong[:3]) or ", ".join(f"{v} {n}" for v, n in sorted(verdicts.items()))
+              + (f" (the widest near tie {max(gaps):.2f} nats)" if gaps and not wrong else "")),
         Check("idle afterwards", not any(idle.values()), ", ".join(f"{k} {v:g}" for k, v in idle.items())),
     ]
     if rss_before and rss_after:
