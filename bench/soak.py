@@ -596,14 +596,14 @@ def _near_tie(greedy: dict, text: str, finish: str | None, may_stop: bool) -> st
     k = next((i for i, (o, t) in enumerate(zip(offsets, tokens)) if o + len(t) > at), None)
     if k is None:
         return f"wrong: {text!r} goes on where alone {alone!r} ended"
-    # The token taken instead may begin before the first differing character (" Bananas" for " Banana" + "\n"):
-    # try each alone token that starts at most a token's length before it.
+    # The token taken instead is the alone token's (k) rival, as the text shows it (" " for " Celsius", then
+    # "180°"), or began before the first differing character and runs past it (" Bananas" for " Banana" + "\n").
     for j in range(k, -1, -1):
         if offsets[j] < at - 32:
             break
         rest = text[offsets[j]:]
         for token, logprob in logprobs["top_logprobs"][j].items():
-            if token == tokens[j] or chosen[j] - logprob > TIE_MARGIN_NATS or offsets[j] + len(token) <= at:
+            if token == tokens[j] or chosen[j] - logprob > TIE_MARGIN_NATS or (j < k and offsets[j] + len(token) <= at):
                 continue
             # It shows in the text; or the text ended there (end of sequence, or the start of a stop string).
             ended_here = finish == "stop" and token.startswith(rest) and (may_stop or _is_special(token))
@@ -643,6 +643,7 @@ def _checks(records: list[Record], idle: dict, rss_before: int | None, rss_after
     incomplete = [r for r in records if not r.abandoned and not r.hung and (r.status != 200 or r.problems)]
     wrong = [r for r in records if r.verdict.startswith("wrong")]
     verdicts = Counter(r.verdict.split(":")[0] for r in records if r.verdict)
+    stopped = sum(1 for r in records if r.kind == "stop" and r.result and r.result["finish_reasons"] == ["stop"])
     gaps = [float(m.group(1)) for r in records if (m := re.search(r"\(([0-9.]+) nats apart\)", r.verdict))]
     checks = [
         Check("no 5xx", not server_errors, _examples(server_errors) or f"{len(records)} requests"),
@@ -652,7 +653,8 @@ def _checks(records: list[Record], idle: dict, rss_before: int | None, rss_after
         Check("answers under load agree with answers alone", not wrong,
               "; ".join(f"{r.kind}[{r.key}] client {r.client} at {r.started_s:.1f} s: {r.verdict}"[:400]
                         for r in wrong[:3]) or ", ".join(f"{v} {n}" for v, n in sorted(verdicts.items()))
-              + (f" (the widest near tie {max(gaps):.2f} nats)" if gaps and not wrong else "")),
+              + (f" (the widest near tie {max(gaps):.2f} nats)" if gaps and not wrong else "")
+              + f"; {stopped} stop requests ended by a stop string or EOS"),
         Check("idle afterwards", not any(idle.values()), ", ".join(f"{k} {v:g}" for k, v in idle.items())),
     ]
     if rss_before and rss_after:
