@@ -8,7 +8,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from engine import ContextLengthExceededError, EngineError, ModelLoadError, NoChatTemplateError, QueueFullError
+from engine import (
+    ContextLengthExceededError,
+    EngineError,
+    ModelLoadError,
+    NoChatTemplateError,
+    QueueFullError,
+    StepFailedError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +91,8 @@ def _from_engine(exc: EngineError) -> OpenAIError:
         return OpenAIError(429, exc.message, "rate_limit_error", code="rate_limit_exceeded", headers=_retry_after())
     if isinstance(exc, ModelLoadError):
         return model_loading(exc.message)
+    if isinstance(exc, StepFailedError):  # the engine logged the traceback; the client learns what it can do
+        return OpenAIError(500, exc.message, "server_error")
     code = "invalid_value"
     if isinstance(exc, ContextLengthExceededError):
         code = "context_length_exceeded"

@@ -9,6 +9,7 @@ from engine.errors import (
     ModelLoadError,
     NoChatTemplateError,
     QueueFullError,
+    StepFailedError,
 )
 from engine.outputs import Choice, Completion, ContinuationScore, RequestOutput
 from engine.params import SamplingParams
@@ -30,5 +31,6 @@ __all__ = [
     "QueueFullError",
     "RequestOutput",
     "SamplingParams",
+    "StepFailedError",
     "TokenLogprob",
 ]
