@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# Below this temperature sampling is greedy (vLLM's threshold): dividing by it would overflow the logits to
+# infinities, whose softmax is NaN, and the draw would return token 0.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
