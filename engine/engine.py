@@ -384,21 +384,26 @@ class Engine:
             )
 
     def _split_for_scoring(self, context, continuation) -> tuple[list[int], list[int]]:
-        """Tokenize as lm-evaluation-harness does: the pair together, context boundary from the context alone."""
+        """Tokenize as lm-evaluation-harness does: the pair together, context boundary from the context alone.
+        Either side may be token ids instead (then used as given); neither may come out empty."""
         if not isinstance(context, str) or not isinstance(continuation, str):
-            ctx = context if not isinstance(context, str) else self.tokenizer.encode(context)
-            cont = continuation if not isinstance(continuation, str) else self.tokenizer.encode(continuation, False)
-            return list(ctx), list(cont)
-        trailing = len(context) - len(context.rstrip())
-        if trailing:  # a context's trailing space belongs to the continuation's first token
-            context, continuation = context[:-trailing], context[-trailing:] + continuation
-        ctx = self.tokenizer.encode(context)
-        whole = self.tokenizer.encode(context + continuation)
-        if not ctx:
+            ctx = list(context) if not isinstance(context, str) else self.tokenizer.encode(context)
+            cont = list(continuation) if not isinstance(continuation, str) else self.tokenizer.encode(continuation, False)
+        else:
+            trailing = len(context) - len(context.rstrip())
+            if trailing:  # a context's trailing space belongs to the continuation's first token
+                context, continuation = context[:-trailing], context[-trailing:] + continuation
+            ctx = self.tokenizer.encode(context)
+            cont = self.tokenizer.encode(context + continuation)[len(ctx) :]
+        if not ctx:  # the first token of a sequence has no likelihood: something must come before the continuation
             raise InvalidRequestError("the context must not be empty: the first token has no likelihood", "prompt")
-        if not continuation:
-            raise InvalidRequestError("a continuation is empty", "continuation")
-        return ctx, whole[len(ctx) :]
+        if not cont:
+            message = "a continuation is empty"
+            if isinstance(continuation, str) and continuation:
+                message = ("a continuation has no tokens of its own: tokenized after its context it merges into the "
+                           "context's last token (split the pair at a word boundary, or send token ids)")
+            raise InvalidRequestError(message, "continuation")
+        return ctx, cont
 
     def _context_limit(self, hf_config) -> int:
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
