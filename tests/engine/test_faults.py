@@ -38,7 +38,8 @@ def test_a_failure_mid_decode_fails_every_sequence_of_that_step_and_only_those(t
     engine, _ = tiny_engine_factory()
     [alone] = engine.generate([PROMPT[:5]], GREEDY)
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-    streams = [engine.submit(PROMPT, long), engine.submit(PROMPT[3:], SamplingParams(n=2, max_tokens=400, ignore_eos=True))]
+    two = SamplingParams(n=2, max_tokens=400, ignore_eos=True)
+    streams = [engine.submit(PROMPT, long), engine.submit(PROMPT[3:], two)]
     firsts = [next(stream) for stream in streams]  # both are decoding now, so both are in the next step
     assert all(first.token_ids for first in firsts)
     engine.fail_next_step(RuntimeError("injected kernel fault"))
