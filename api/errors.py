@@ -15,6 +15,7 @@ from engine import (
     ModelLoadError,
     NoChatTemplateError,
     QueueFullError,
+    StepFailedError,
 )
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,8 @@ def _from_engine(exc: EngineError) -> OpenAIError:
         return OpenAIError(429, exc.message, "rate_limit_error", code="rate_limit_exceeded", headers=_retry_after())
     if isinstance(exc, ModelLoadError):
         return model_loading(exc.message)
+    if isinstance(exc, StepFailedError):  # the engine logged the traceback; the client learns what it can do
+        return OpenAIError(500, exc.message, "server_error")
     code = "invalid_value"
     if isinstance(exc, ContextLengthExceededError):
         code = "context_length_exceeded"

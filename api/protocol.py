@@ -16,7 +16,8 @@ MAX_PROMPTS = 128  # prompts in one /v1/completions or /v1/loglikelihood request
 
 class _Body(BaseModel):
     # Clients send fields we do not know (OpenAI adds them often): ignore them rather than refuse the request.
-    model_config = ConfigDict(extra="ignore")
+    # Strict types, as OpenAI's: `true` is no token id nor `"5"` a max_tokens (lax pydantic would take 1 and 5).
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -102,6 +103,10 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"messages": [{"role": "user", "content": "Name three birds."}], "max_tokens": 64},
+        {"messages": [{"role": "user", "content": "Name three birds."}], "temperature": 0, "stream": True},
+    ]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI for max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Default: up to the end of the context.")
@@ -123,6 +128,10 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0},
+        {"prompt": "The capital of France is Paris", "max_tokens": 0, "echo": True, "logprobs": 1},
+    ]})
     prompt: list[list[int]] | list[int] | list[str] | str = Field(
         description="A string, a list of strings, a list of token ids (used exactly: no BOS is added), or a list "
         f"of such lists. Several prompts (at most {MAX_PROMPTS}) give choices indexed prompt_index * n + sample_index."

@@ -19,7 +19,10 @@ _PARAMS = {"prompt": "prompts", "continuation": "continuations"}
 
 
 class LoglikelihoodRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Strict types, as api.protocol's bodies; the example is what /docs shows and the fuzz tests start from.
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"examples": [
+        {"prompts": ["The capital of France is", "The capital of France is"], "continuations": [" Paris", " London"]},
+    ]})
     model: str | None = None
     prompts: list[str | list[int]] = Field(
         min_length=1, max_length=MAX_PROMPTS, description=f"Contexts: text or token ids; at most {MAX_PROMPTS}."

@@ -10,6 +10,7 @@ from engine.errors import (
     ModelLoadError,
     NoChatTemplateError,
     QueueFullError,
+    StepFailedError,
 )
 from engine.outputs import FINISH_ABORT, Choice, Completion, ContinuationScore, RequestOutput
 from engine.params import SamplingParams
@@ -33,5 +34,6 @@ __all__ = [
     "QueueFullError",
     "RequestOutput",
     "SamplingParams",
+    "StepFailedError",
     "TokenLogprob",
 ]

@@ -20,7 +20,9 @@ import torch
 
 from engine import compiled, cuda_graphs, loader, native_decode
 from engine.config import EngineConfig, batched_tokens_for
-from engine.errors import ContextLengthExceededError, DrainingError, InvalidRequestError, QueueFullError
+from engine.errors import (
+    ContextLengthExceededError, DrainingError, InvalidRequestError, QueueFullError, StepFailedError,
+)
 from engine.kv_cache import BlockAllocator, KVCache, blocks_needed
 from engine.loader import LoadedModel
 from engine.models.generic import RecomputeRunner
@@ -149,6 +151,7 @@ class Engine:
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self._num_steps = 0
         self._num_generated_tokens = 0
+        self._injected_failure: Exception | None = None  # fail_next_step()'s, for tests
         logger.info(
             "engine ready: %s (%s, %s, %s), max_model_len %d, %d KV blocks of %d tokens, %d tokens per step",
             self.model_name,
@@ -369,6 +372,12 @@ class Engine:
             scores.append(ContinuationScore(sum(logprobs), greedy, cont, logprobs, top_ids))
         return scores
 
+    def fail_next_step(self, exc: Exception) -> None:
+        """For tests: the next step that runs the model raises `exc` in its place, as a kernel or model bug would.
+        Nothing in the server calls it. The requests of that step end with a StepFailedError; the rest go on."""
+        with self._lock:
+            self._injected_failure = exc
+
     def stats(self) -> EngineStats:
         now = time.monotonic()
         recent = [(t, n) for t, n in list(self._recent_tokens) if now - t <= 5.0]
@@ -406,21 +415,26 @@ class Engine:
             )
 
     def _split_for_scoring(self, context, continuation) -> tuple[list[int], list[int]]:
-        """Tokenize as lm-evaluation-harness does: the pair together, context boundary from the context alone."""
+        """Tokenize as lm-evaluation-harness does: the pair together, context boundary from the context alone.
+        Either side may be token ids instead (then used as given); neither may come out empty."""
         if not isinstance(context, str) or not isinstance(continuation, str):
-            ctx = context if not isinstance(context, str) else self.tokenizer.encode(context)
-            cont = continuation if not isinstance(continuation, str) else self.tokenizer.encode(continuation, False)
-            return list(ctx), list(cont)
-        trailing = len(context) - len(context.rstrip())
-        if trailing:  # a context's trailing space belongs to the continuation's first token
-            context, continuation = context[:-trailing], context[-trailing:] + continuation
-        ctx = self.tokenizer.encode(context)
-        whole = self.tokenizer.encode(context + continuation)
-        if not ctx:
+            ctx = list(context) if not isinstance(context, str) else self.tokenizer.encode(context)
+            cont = list(continuation) if not isinstance(continuation, str) else self.tokenizer.encode(continuation, False)
+        else:
+            trailing = len(context) - len(context.rstrip())
+            if trailing:  # a context's trailing space belongs to the continuation's first token
+                context, continuation = context[:-trailing], context[-trailing:] + continuation
+            ctx = self.tokenizer.encode(context)
+            cont = self.tokenizer.encode(context + continuation)[len(ctx) :]
+        if not ctx:  # the first token of a sequence has no likelihood: something must come before the continuation
             raise InvalidRequestError("the context must not be empty: the first token has no likelihood", "prompt")
-        if not continuation:
-            raise InvalidRequestError("a continuation is empty", "continuation")
-        return ctx, whole[len(ctx) :]
+        if not cont:
+            message = "a continuation is empty"
+            if isinstance(continuation, str) and continuation:
+                message = ("a continuation has no tokens of its own: tokenized after its context it merges into the "
+                           "context's last token (split the pair at a word boundary, or send token ids)")
+            raise InvalidRequestError(message, "continuation")
+        return ctx, cont
 
     def _context_limit(self, hf_config) -> int:
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
@@ -432,24 +446,32 @@ class Engine:
     # Engine thread.
     def _loop(self) -> None:
         while True:
-            with self._lock:
-                while self._running and not (self._inbox or self._aborts or self._is_aborting_all
-                                             or self._warmup_blocks or self.scheduler.has_work):
-                    self._lock.wait()
-                if not self._running:
-                    break
-                arrivals, self._inbox = list(self._inbox), deque()
-                aborts, self._aborts = list(self._aborts), deque()
-                abort_all, self._is_aborting_all = self._is_aborting_all, False
-                for request, stream in arrivals:  # under the lock, so has_requests never misses one in transit
-                    self._admit(request, stream)
-            for request_id in aborts:
-                self._abort_now(request_id)
-            if abort_all:
-                self._end_all()
-            self._release_warmup_blocks()
-            if self.scheduler.has_work:
-                self.step()
+            try:
+                with self._lock:
+                    while self._running and not (self._inbox or self._aborts or self._is_aborting_all
+                                                 or self._warmup_blocks or self.scheduler.has_work):
+                        self._lock.wait()
+                    if not self._running:
+                        break
+                    arrivals, self._inbox = list(self._inbox), deque()
+                    aborts, self._aborts = list(self._aborts), deque()
+                    abort_all, self._is_aborting_all = self._is_aborting_all, False
+                    for request, stream in arrivals:  # under the lock, so has_requests never misses one in transit
+                        self._admit(request, stream)
+                for request_id in aborts:
+                    self._abort_now(request_id)
+                if abort_all:
+                    self._end_all()
+                self._release_warmup_blocks()
+                if self.scheduler.has_work:
+                    self.step()
+            except Exception as exc:  # a bug outside any one step: fail what is in flight rather than stop serving
+                logger.exception("engine loop failed; failing %d requests", len(self._requests))
+                for request_id in list(self._requests):
+                    try:
+                        self._fail(request_id, exc)
+                    except Exception:  # its client has the error already; forget it rather than fail again
+                        self._requests.pop(request_id, None)
         for request_id in list(self._requests):
             self._abort_now(request_id)
 
@@ -472,6 +494,10 @@ class Engine:
             for seq, n in zip(batch.seqs, batch.num_new_tokens)
         ]
         wants_prompt = [seq.wants_prompt_logprobs for seq in batch.seqs]
+        if self._injected_failure is not None:
+            with self._lock:
+                failure, self._injected_failure = self._injected_failure, None
+            raise failure
         logits = self.runner.run(batch, samples, wants_prompt)
         starts = [seq.num_computed_tokens for seq in batch.seqs]
         self.scheduler.mark_computed(batch)
@@ -493,9 +519,9 @@ class Engine:
             self._recent_tokens.popleft()
 
     def _admit(self, request: Request, stream: RequestStream) -> None:
+        self._requests[request.request_id] = (request, stream)  # first: a failure below is delivered to it
         params = request.params
         max_tokens = self.max_model_len - len(request.prompt_ids) if params.max_tokens is None else params.max_tokens
-        self._requests[request.request_id] = (request, stream)
         for index in range(params.n):
             seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(63)
             generator = torch.Generator(device=self.device)
@@ -592,9 +618,15 @@ class Engine:
                     self._emit(seq, [], seq.output_text.finish(), None, FINISH_ABORT)
 
     def _fail(self, request_id: str, exc: Exception) -> None:
+        """End a request with the error that stopped it (its consumer raises it) and free its blocks."""
         entry = self._requests.get(request_id)
         if entry is not None:
-            entry[1].put(exc)
+            error = StepFailedError(
+                f"the engine failed while computing this request ({type(exc).__name__}; the server log has the "
+                "details). The server goes on serving: the request can be retried."
+            )
+            error.__cause__ = exc
+            entry[1].put(error)
         self._abort_now(request_id)
 
 

@@ -12,6 +12,9 @@ MAX_STOP_STRINGS = 16  # OpenAI takes 4; lm-evaluation-harness sends a task's `u
 MAX_STOP_LENGTH = 512  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+# Below this temperature sampling is greedy (vLLM's threshold): dividing by it would overflow the logits to
+# infinities, whose softmax is NaN, and the draw would return token 0.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
