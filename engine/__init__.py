@@ -4,21 +4,25 @@ from engine.engine import Engine, EngineStats
 from engine.handle import EngineHandle
 from engine.errors import (
     ContextLengthExceededError,
+    DrainingError,
     EngineError,
     InvalidRequestError,
     ModelLoadError,
     NoChatTemplateError,
     QueueFullError,
+    StepFailedError,
 )
-from engine.outputs import Choice, Completion, ContinuationScore, RequestOutput
+from engine.outputs import FINISH_ABORT, Choice, Completion, ContinuationScore, RequestOutput
 from engine.params import SamplingParams
 from engine.request import TokenLogprob
 
 __all__ = [
+    "FINISH_ABORT",
     "Choice",
     "Completion",
     "ContextLengthExceededError",
     "ContinuationScore",
+    "DrainingError",
     "Engine",
     "EngineConfig",
     "EngineError",
@@ -30,5 +34,6 @@ __all__ = [
     "QueueFullError",
     "RequestOutput",
     "SamplingParams",
+    "StepFailedError",
     "TokenLogprob",
 ]
