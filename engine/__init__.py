@@ -5,6 +5,7 @@ from engine.handle import EngineHandle
 from engine.errors import (
     ContextLengthExceededError,
     EngineError,
+    GrammarError,
     InvalidRequestError,
     ModelLoadError,
     NoChatTemplateError,
@@ -24,6 +25,7 @@ __all__ = [
     "EngineError",
     "EngineHandle",
     "EngineStats",
+    "GrammarError",
     "InvalidRequestError",
     "ModelLoadError",
     "NoChatTemplateError",
