@@ -5,6 +5,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 CHROMIUM := /usr/bin/chromium
 ARGS ?=
 PYTEST_ARGS ?=
@@ -35,16 +36,21 @@ chromium:
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } \
 	|| echo "note: installing chromium failed: browser tests need it"
 
+# Test-only packages: installed for the test targets, not by `make install` (nor in the image).
+$(TEST_STAMP): requirements-test.txt $(STAMP)
+	$(PY) -m pip install -r requirements-test.txt
+	touch $@
+
 run: install
 	$(PY) app.py $(ARGS)
 
 # Then the engine's fast tests once more with Tern's CPU kernels off: the aten fallback CPUs without a kernel path
 # (no compiler, ARM) take. The kernel tests themselves run every path this CPU has in the first run.
-test: install
+test: install $(TEST_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 	TERN_CPU_KERNELS=off $(PY) -m pytest -m "not slow" -q tests/engine $(PYTEST_ARGS)
 
-test-fast: install
+test-fast: install $(TEST_STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: install
