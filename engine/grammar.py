@@ -2,22 +2,27 @@
 each sequence to it.
 
 The grammar engine is llguidance. `bench/grammar.py` set it against xgrammar on the default model's 49,152-token
-vocabulary (2-core AMD EPYC VM, CPU flags: avx2, no avx512; medians of 5; "features" is the test schema with a
-pattern, enum, const, ranges, lengths, an array, $defs/$ref and anyOf; compact JSON, no free whitespace):
+vocabulary (2-core AMD EPYC VM, CPU flags: avx2, no avx512; medians of 5 runs, each on a fresh compile; "features"
+is the test schema: pattern, enum, const, ranges, lengths, an array, $defs/$ref, anyOf; whitespace as Tern allows
+it, below; mask per token averaged over a valid instance's tokens):
 
 | schema | llguidance 1.9.1 compile | mask per token | xgrammar 0.2.8 compile | mask per token |
 |---|---|---|---|---|
-| json_object | 0.4 ms | 15 us | 8.1 ms | 4.4 us |
-| two properties | 0.4 ms | 16 us | 5.6 ms | 4.5 us |
-| features | 1.0 ms | 77-117 us | 448 ms | 546-635 us |
-| 40 properties | 1.8 ms | 10 us | 13 ms | 2.1 us |
+| json_object | 0.5 ms | 20 us | 18 ms | 51 us |
+| two properties | 0.5 ms | 19 us | 18 ms | 23 us |
+| features | 1.1 ms | 53 us | 314-351 ms | 268 us (multipleOf ignored) |
+| 40 properties | 1.8 ms | 12 us | 23 ms | 21 us |
 
-plus, once per tokenizer, 0.45 s (llguidance) or 0.2 s (xgrammar) to index the vocabulary. Both mask a token in
-far less than a decode step (~7 ms for the default model here); llguidance compiles a schema in about a millisecond
-where xgrammar precomputes a per-state token cache (up to 0.45 s for a schema with patterns and ranges, which then
-masked slower, not faster), it checks schemas for satisfiability at compile time (a required property with
-minimum > maximum is a 400, not a stuck request), and it has no dependencies, where xgrammar 0.2.8 brings triton and
-apache-tvm-ffi (torch stays 2.13 with either).
+plus, once per tokenizer, 0.3 s (llguidance) or 0.14 s (xgrammar) to index the vocabulary. With compact JSON (no
+whitespace) xgrammar masked json_object faster (4.4 us against 15) but features slower still (546 us against 77) and
+took 448 ms to compile it. Applying a mask in the sampler (unpack the bits, set the rest to -inf) brings one
+constrained row to ~130 us and 16 rows to ~0.8 ms, against a decode step of ~7 ms (one stream) to ~50 ms (16) for
+the default model here. Why llguidance: it compiles a schema in about a millisecond where xgrammar precomputes a
+per-state token cache (a third of a second for a schema with a pattern and ranges, which then masked slower, not
+faster), so a compile pause is never felt; it enforces more of JSON Schema (xgrammar 0.2.8 ignores multipleOf on
+numbers) and refuses unsatisfiable schemas at compile time (a required property with minimum > maximum is a 400,
+not a stuck request); and it has no dependencies, where xgrammar brings triton and apache-tvm-ffi (torch stays
+2.13.0 with either).
 
 How it fits the engine:
 - GrammarCompiler compiles on the caller's thread (the API runs it in a worker thread before submit), so a slow
