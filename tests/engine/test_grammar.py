@@ -61,10 +61,20 @@ def _accepts(engine, grammar, token_ids: list[int]) -> bool:
 
 
 # The guarantee, on a random model.
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_random_model_writes_json_valid_against_the_schema(tiny, temperature):
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"temperature": 0.0},
+        {"temperature": 1.0, "n": 3},
+        # Truncation and penalties act on the masked logits; a bias of +100 on a token cannot get it past the mask.
+        {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.02, "repetition_penalty": 1.3,
+         "frequency_penalty": 1.0, "logit_bias": {504: 100.0, 2: 100.0}},
+    ],
+    ids=["greedy", "sampled", "truncated-penalised-biased"],
+)
+def test_a_random_model_writes_json_valid_against_the_schema(tiny, options):
     grammar = tiny.grammars.json_schema(FEATURES, "features")
-    params = SamplingParams(temperature=temperature, max_tokens=400, grammar=grammar, n=3 if temperature else 1, seed=7)
+    params = SamplingParams(max_tokens=400, grammar=grammar, seed=7, **options)
     completion = tiny.generate([PROMPT], params)[0]
     for choice in completion.choices:
         assert choice.finish_reason == "stop" and choice.stop_reason is None, choice.text
