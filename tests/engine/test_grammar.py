@@ -163,7 +163,12 @@ def test_unconstrained_logprobs_are_unchanged_by_a_constrained_neighbour(tiny):
     streams = [tiny.submit(PROMPT, constrained), tiny.submit(PROMPT, params)]
     beside = [lp for out in streams[1] for lp in out.logprobs]
     list(streams[0])
-    assert [(e.token_id, e.logprob, e.top) for e in beside] == [(e.token_id, e.logprob, e.top) for e in alone]
+    # Tokens exactly; logprobs to float32 rounding (aten's matmul, TERN_CPU_KERNELS=off, differs in the last bits
+    # between a batch of one and of two).
+    assert [(e.token_id, [t for t, _ in e.top]) for e in beside] == [(e.token_id, [t for t, _ in e.top]) for e in alone]
+    for b, a in zip(beside, alone):
+        assert b.logprob == pytest.approx(a.logprob, abs=1e-5)
+        assert [lp for _, lp in b.top] == pytest.approx([lp for _, lp in a.top], abs=1e-5)
 
 
 # Compiling.
