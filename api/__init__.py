@@ -2,21 +2,25 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.routing import APIRoute
 
 from engine import EngineHandle
 
 from api import chat, completions, models, scoring, tokenize
 from api.auth import bearer_scheme
+from api.cors import APICORSMiddleware
 from api.errors import OpenAIError, install_error_handlers
+from api.limits import BodySizeLimitMiddleware
 from api.server import RequestIDMiddleware, Server
 
-__all__ = ["RequestIDMiddleware", "build_router", "install_error_handlers"]
+__all__ = ["APICORSMiddleware", "BodySizeLimitMiddleware", "RequestIDMiddleware", "build_router", "install_error_handlers"]
 
-_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS", "TRACE", "QUERY"]  # QUERY: the HTTP draft
 
 
 def build_router(handle: EngineHandle, api_key: str | None = None) -> APIRouter:
-    """All API routes over one engine handle. With api_key, every /v1 route needs `Authorization: Bearer <key>`."""
+    """All API routes over one engine handle. With api_key, every route that runs the model or its tokenizer needs
+    `Authorization: Bearer <key>`; /health, /ready and /metrics (api.server.OPEN_PATHS) stay open for probes."""
     server = Server(handle, api_key)
     route_class = server.route_class()
     # The bearer dependency only documents the key in /openapi.json; the route class checks it.
@@ -25,17 +29,47 @@ def build_router(handle: EngineHandle, api_key: str | None = None) -> APIRouter:
     completions.add_routes(v1, server)
     scoring.add_routes(v1, server)
     models.add_routes(v1, server)
+    _answer_every_method(v1)
 
     # Last: the UI is mounted at "/" and would answer any other /v1 path with a page; clients want JSON.
     @v1.api_route("/v1/{path:path}", methods=_METHODS, include_in_schema=False)
     async def unknown_route(request: Request, path: str):
         raise OpenAIError(404, f"Invalid URL ({request.method} /v1/{path})", code="unknown_url")
 
-    top = APIRouter(route_class=route_class)
-    tokenize.add_routes(top, server)
-    models.add_status_routes(top, server)
+    tokenizer = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)] if server.api_key else None)
+    tokenize.add_routes(tokenizer, server)
+    _answer_every_method(tokenizer)
+    status = APIRouter(route_class=route_class)
+    models.add_status_routes(status, server)
+    _answer_every_method(status)
 
     router = APIRouter()
     router.include_router(v1)
-    router.include_router(top)
+    router.include_router(tokenizer)
+    router.include_router(status)
     return router
+
+
+def _answer_every_method(router: APIRouter) -> None:
+    """Every path of the router answers every method itself: HEAD wherever GET is served (load balancers probe with
+    it), and a 405 in OpenAI's shape with an Allow header for the rest. Otherwise the UI mounted at "/" would answer
+    them with Gradio's own 404."""
+    routes = [route for route in router.routes if isinstance(route, APIRoute)]
+    for path in dict.fromkeys(route.path for route in routes):
+        on_path = [route for route in routes if route.path == path]
+        served = set().union(*(route.methods for route in on_path))
+        get = next((route for route in on_path if "GET" in route.methods), None)
+        if get is not None and "HEAD" not in served:
+            router.add_api_route(path, get.endpoint, methods=["HEAD"], include_in_schema=False,
+                                 response_class=get.response_class)
+            served.add("HEAD")
+        others = [method for method in _METHODS if method not in served]
+        router.add_api_route(path, _method_not_allowed(sorted(served)), methods=others, include_in_schema=False)
+
+
+def _method_not_allowed(allowed: list[str]):
+    async def method_not_allowed(request: Request):
+        message = f"Method Not Allowed ({request.method} {request.url.path}): this path serves {', '.join(allowed)}"
+        raise OpenAIError(405, message, code="method_not_allowed", headers={"Allow": ", ".join(allowed)})
+
+    return method_not_allowed

@@ -8,11 +8,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from engine import ContextLengthExceededError, EngineError, ModelLoadError, NoChatTemplateError, QueueFullError
+from engine import (
+    ContextLengthExceededError,
+    DrainingError,
+    EngineError,
+    ModelLoadError,
+    NoChatTemplateError,
+    QueueFullError,
+    StepFailedError,
+)
 
 logger = logging.getLogger(__name__)
 
-# Seconds a client should wait before retrying a 429 (queue full) or a 503 (model loading).
+# Seconds a client should wait before retrying a 429 (queue full) or a 503 (model loading, shutting down).
 RETRY_AFTER_S = 1
 
 # Pydantic tags a union member in an error's location (("prompt", "list[int]", 0)); they are no field names.
@@ -42,6 +50,15 @@ class OpenAIError(Exception):
         return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
 
+class RequestTooLargeError(HTTPException):
+    """The request body is over --max-body-size. An HTTPException, so FastAPI's body reading passes it on as is."""
+
+    def __init__(self, max_body_size_bytes: int) -> None:
+        message = (f"The request body is larger than this server's limit of {max_body_size_bytes} bytes "
+                   "(--max-body-size); send fewer or shorter prompts.")
+        super().__init__(413, message)
+
+
 class ClientDisconnected(Exception):
     """The client went away before its answer was ready; its engine requests were aborted."""
 
@@ -57,6 +74,8 @@ def to_openai_error(exc: Exception) -> OpenAIError:
     if isinstance(exc, ClientDisconnected):
         # nginx's "client closed request": only our logs and metrics ever see it.
         return OpenAIError(499, "the client closed the connection", "client_closed_request")
+    if isinstance(exc, RequestTooLargeError):
+        return OpenAIError(413, str(exc.detail), code="request_too_large")
     if isinstance(exc, HTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return OpenAIError(exc.status_code, str(exc.detail), kind, headers=exc.headers)
@@ -79,11 +98,20 @@ def model_loading(reason: str | None) -> OpenAIError:
     return OpenAIError(503, message, "service_unavailable_error", code="model_not_ready", headers=_retry_after())
 
 
+def shutting_down(message: str = "the server is shutting down and takes no new requests; retry shortly") -> OpenAIError:
+    """503 while the server drains: a retry reaches another replica, or this one restarted."""
+    return OpenAIError(503, message, "service_unavailable_error", code="server_shutting_down", headers=_retry_after())
+
+
 def _from_engine(exc: EngineError) -> OpenAIError:
+    if isinstance(exc, DrainingError):
+        return shutting_down()
     if isinstance(exc, QueueFullError):
         return OpenAIError(429, exc.message, "rate_limit_error", code="rate_limit_exceeded", headers=_retry_after())
     if isinstance(exc, ModelLoadError):
         return model_loading(exc.message)
+    if isinstance(exc, StepFailedError):  # the engine logged the traceback; the client learns what it can do
+        return OpenAIError(500, exc.message, "server_error")
     code = "invalid_value"
     if isinstance(exc, ContextLengthExceededError):
         code = "context_length_exceeded"

@@ -10,9 +10,9 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from engine import Engine, RequestOutput, SamplingParams, TokenLogprob
+from engine import FINISH_ABORT, Engine, RequestOutput, SamplingParams, TokenLogprob
 
-from api.errors import ClientDisconnected
+from api.errors import ClientDisconnected, shutting_down
 from api.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -103,8 +103,12 @@ class Generation:
             )
 
     async def collect(self) -> list[Sample]:
+        """Every sample to its end. One the engine cut short at shutdown makes the whole answer a 503: a client
+        that waited for one JSON body would otherwise take a half answer for a whole one."""
         async for _ in self.outputs():
             pass
+        if any(sample.finish_reason == FINISH_ABORT for sample in self.samples):
+            raise shutting_down("the server shut down before this request finished; retry it")
         return self.samples
 
     def abort(self) -> None:

@@ -63,3 +63,7 @@ class _EngineCollector:
         yield GaugeMetricFamily("tern_kv_cache_blocks_free", "KV-cache blocks free", value=stats.num_kv_blocks_free)
         yield GaugeMetricFamily("tern_generation_tokens_per_second", "Over the last 5 s", value=stats.tokens_per_s)
         yield CounterMetricFamily("tern_preemptions", "Sequences preempted for KV space", value=stats.num_preemptions)
+        yield CounterMetricFamily("tern_engine_steps", "Model steps run, for the API and the UI", value=stats.num_steps)
+        yield CounterMetricFamily(
+            "tern_engine_generated_tokens", "Tokens sampled, for the API and the UI", value=stats.num_generated_tokens
+        )

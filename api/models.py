@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
-from api.errors import OpenAIError
+from api.errors import OpenAIError, shutting_down
 from api.metrics import CONTENT_TYPE
 from api.responses import ERRORS, ModelCard, ModelList
 from api.server import Server
@@ -24,14 +24,21 @@ def add_routes(router: APIRouter, server: Server) -> None:
 
 
 def add_status_routes(router: APIRouter, server: Server) -> None:
+    # /healthz and /readyz: the names Kubernetes probes and many deploy templates use.
     @router.get("/health", responses=ERRORS, summary="200 once the model is loaded, 503 before")
+    @router.get("/healthz", responses=ERRORS, summary="The same as /health")
     async def health() -> dict:
         engine = server.engine()
-        return {"status": "ok", "model": server.model_name, "device": str(engine.device)}
+        # Alive while it drains (a liveness probe must not kill it mid-drain); /ready says to send nothing new.
+        status = "draining" if server.is_draining else "ok"
+        return {"status": status, "model": server.model_name, "device": str(engine.device)}
 
-    @router.get("/ready", responses=ERRORS, summary="200 when new requests would be queued, else 503")
+    @router.get("/ready", responses=ERRORS, summary="200 when new requests would be queued, else 503 (full, draining)")
+    @router.get("/readyz", responses=ERRORS, summary="The same as /ready")
     async def ready() -> dict:
         """For load balancers: loaded, and the waiting queue has room (else a request would get a 429)."""
+        if server.is_draining:
+            raise shutting_down()
         engine = server.engine()
         stats = engine.stats()
         if stats.num_waiting >= engine.config.max_waiting:

@@ -6,16 +6,18 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine import SamplingParams
-from engine.params import MAX_LOGPROBS
+from engine.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 from api.errors import OpenAIError
 
 MAX_N = 16  # samples per prompt; more would crowd out other users' sequences in one batch
+MAX_PROMPTS = 128  # prompts in one /v1/completions or /v1/loglikelihood request: a batch, not a queue of its own
 
 
 class _Body(BaseModel):
     # Clients send fields we do not know (OpenAI adds them often): ignore them rather than refuse the request.
-    model_config = ConfigDict(extra="ignore")
+    # Strict types, as OpenAI's: `true` is no token id nor `"5"` a max_tokens (lax pydantic would take 1 and 5).
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -29,13 +31,19 @@ class SamplingRequest(_Body):
     n: int | None = Field(1, ge=1, le=MAX_N, description=f"Samples per prompt, 1 to {MAX_N}.")
     temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; default 1.")
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling mass; default 1 (off).")
-    stop: str | list[str] | None = Field(None, description="Strings that end the text; they are not returned.")
+    stop: str | list[str] | None = Field(
+        None,
+        description=f"Strings that end the text; they are not returned. At most {MAX_STOP_STRINGS}, each at most "
+        f"{MAX_STOP_LENGTH} characters.",
+    )
     stream: bool | None = Field(False, description="Answer with server-sent events, ending with `data: [DONE]`.")
     stream_options: StreamOptions | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Makes sampling reproducible.")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias, -100 to 100.")
+    logit_bias: dict[str, float] | None = Field(
+        None, description=f"Token id (as a string) -> bias, -100 to 100; at most {MAX_LOGIT_BIAS} entries."
+    )
     user: str | None = Field(None, description="Accepted for compatibility; unused.")
     # Extensions, with vLLM's names.
     top_k: int | None = Field(None, ge=-1, description="Extension: keep the k most likely tokens; 0 or -1 = off.")
@@ -43,7 +51,9 @@ class SamplingRequest(_Body):
     repetition_penalty: float | None = Field(None, gt=0, description="Extension: > 1 discourages repeats.")
     min_tokens: int | None = Field(0, ge=0, description="Extension: no EOS or stop token before this many tokens.")
     ignore_eos: bool | None = Field(False, description="Extension: keep going past the end-of-sequence token.")
-    stop_token_ids: list[int] | None = Field(None, description="Extension: token ids that end the text.")
+    stop_token_ids: list[int] | None = Field(
+        None, description=f"Extension: token ids that end the text, at most {MAX_STOP_TOKEN_IDS}."
+    )
     response_format: dict[str, Any] | None = Field(
         None, description="{\"type\": \"text\"} (default), {\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
         "\"json_schema\": {\"name\", \"schema\", \"strict\"}}: the output is held to it token by token "
@@ -97,6 +107,10 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"messages": [{"role": "user", "content": "Name three birds."}], "max_tokens": 64},
+        {"messages": [{"role": "user", "content": "Name three birds."}], "temperature": 0, "stream": True},
+    ]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="Deprecated by OpenAI for max_completion_tokens.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Default: up to the end of the context.")
@@ -114,9 +128,13 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0},
+        {"prompt": "The capital of France is Paris", "max_tokens": 0, "echo": True, "logprobs": 1},
+    ]})
     prompt: list[list[int]] | list[int] | list[str] | str = Field(
         description="A string, a list of strings, a list of token ids (used exactly: no BOS is added), or a list "
-        "of such lists. Several prompts give choices indexed prompt_index * n + sample_index."
+        f"of such lists. Several prompts (at most {MAX_PROMPTS}) give choices indexed prompt_index * n + sample_index."
     )
     # OpenAI's default is 16; the issue this server answers asks for "up to the context", like chat (and vLLM's
     # chat). lm-evaluation-harness always sends max_tokens, so it is not affected.
@@ -146,6 +164,9 @@ class CompletionRequest(SamplingRequest):
             raise OpenAIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
         if isinstance(prompt, str) or isinstance(prompt[0], int):
             return [prompt]
+        if len(prompt) > MAX_PROMPTS:
+            message = f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}; send the rest in another request"
+            raise OpenAIError(400, message, param="prompt", code="invalid_value")
         return list(prompt)
 
 

@@ -93,14 +93,15 @@ class CompletionChoice(BaseModel):
 
 
 class TextCompletion(BaseModel):
-    """Also the shape of each streamed event (then `usage` is null until the include_usage chunk)."""
+    """Also the shape of each streamed event, where `usage` is absent, or with stream_options.include_usage null until
+    a last chunk with `choices: []` (as OpenAI streams it)."""
 
     id: str = Field(description="cmpl-...")
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Usage | None
+    usage: Usage | None = Field(None, description="Always set on a whole answer; in a stream see above.")
 
 
 class ModelCard(BaseModel):
@@ -149,10 +150,27 @@ ERRORS = {
 
 
 def streamed(chunk: type[BaseModel]) -> dict:
-    """OpenAPI `responses` entry documenting the text/event-stream form of a 200."""
-    description = f"With stream: true, `data: <{chunk.__name__}>` events, then `data: [DONE]`."
-    schema = {"type": "string", "description": description, "contentSchema": _inline(chunk.model_json_schema())}
-    return {200: {"content": {"text/event-stream": {"schema": schema}}}, **ERRORS}
+    """OpenAPI `responses` entry for a route that also streams: its 200 is JSON, or with stream: true an event stream
+    described as OpenAPI 3.2 does (and FastAPI for its own SSE routes): `itemSchema` is one event, whose `data` is
+    JSON of the chunk's schema, an error in the error body's shape (a failure after the first event), or [DONE]."""
+    description = (f"application/json: the whole answer. With stream: true, text/event-stream: `data: <{chunk.__name__}>` "
+                   "events, an `ErrorResponse` event if the request fails once streaming, then `data: [DONE]`.")
+    json_data = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": [_inline(chunk.model_json_schema()), _inline(ErrorResponse.model_json_schema())]},
+    }
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {"anyOf": [json_data, {"const": "[DONE]"}]},
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer", "minimum": 0},
+        },
+    }
+    return {200: {"description": description, "content": {"text/event-stream": {"itemSchema": event}}}, **ERRORS}
 
 
 def _inline(schema: dict) -> dict:

@@ -10,6 +10,7 @@ from engine import ContinuationScore, Engine, EngineError
 
 from api.errors import OpenAIError
 from api.generation import until_disconnected
+from api.protocol import MAX_PROMPTS
 from api.responses import ERRORS
 from api.server import Server
 
@@ -18,11 +19,16 @@ _PARAMS = {"prompt": "prompts", "continuation": "continuations"}
 
 
 class LoglikelihoodRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Strict types, as api.protocol's bodies; the example is what /docs shows and the fuzz tests start from.
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"examples": [
+        {"prompts": ["The capital of France is", "The capital of France is"], "continuations": [" Paris", " London"]},
+    ]})
     model: str | None = None
-    prompts: list[str | list[int]] = Field(min_length=1, description="Contexts: text or token ids.")
+    prompts: list[str | list[int]] = Field(
+        min_length=1, max_length=MAX_PROMPTS, description=f"Contexts: text or token ids; at most {MAX_PROMPTS}."
+    )
     continuations: list[str | list[int]] = Field(
-        min_length=1, description="One per prompt (paired element-wise): text or token ids."
+        min_length=1, max_length=MAX_PROMPTS, description="One per prompt (paired element-wise): text or token ids."
     )
 
 

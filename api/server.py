@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine import Engine, EngineHandle
 
 from api.auth import authorize
-from api.errors import OpenAIError, model_loading, to_openai_error
+from api.errors import OpenAIError, model_loading, shutting_down, to_openai_error
 from api.metrics import Metrics
 
 logger = logging.getLogger("api")
@@ -47,6 +47,10 @@ class RequestIDMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+# Probes and scrapers reach these without the key: they say whether the server is up, and run no model.
+OPEN_PATHS = frozenset({"/health", "/healthz", "/ready", "/readyz", "/metrics"})
+
+
 class Server:
     def __init__(self, handle: EngineHandle, api_key: str | None = None) -> None:
         self.handle = handle
@@ -57,6 +61,15 @@ class Server:
     @property
     def model_name(self) -> str:
         return self.handle.served_model_name
+
+    @property
+    def is_draining(self) -> bool:
+        """Shutting down: routes that run the model or its tokenizer answer 503, /ready too."""
+        return self.handle.is_draining
+
+    def needs_key(self, route_path: str) -> bool:
+        """With --api-key, every route but the probes needs it: /v1 and the tokenizer routes alike."""
+        return self.api_key is not None and route_path not in OPEN_PATHS
 
     def engine(self, model: str | None = None) -> Engine:
         """The engine once loaded (else 503), after checking the model the client asked for (else 404)."""
@@ -80,7 +93,8 @@ class Server:
 
 
 def _served(handler, route_path: str, server: Server):
-    needs_key = server.api_key is not None and route_path.startswith("/v1")
+    needs_key = server.needs_key(route_path)
+    is_work = route_path not in OPEN_PATHS  # refused while the server drains; the probes keep answering
 
     async def handle(request: Request) -> Response:
         # Set by RequestIDMiddleware; a router used without it (a test's own app) makes its own.
@@ -90,6 +104,8 @@ def _served(handler, route_path: str, server: Server):
         try:
             if needs_key:
                 authorize(request, server.api_key)
+            if is_work and server.is_draining:
+                raise shutting_down()
             response = await handler(request)
         except Exception as exc:  # everything, bad input included, leaves in OpenAI's error shape
             error = to_openai_error(exc)

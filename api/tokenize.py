@@ -12,7 +12,11 @@ from api.server import Server
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Strict types, as api.protocol's bodies; the examples are what /docs shows and the fuzz tests start from.
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"examples": [
+        {"prompt": "Hello world", "add_special_tokens": False},
+        {"messages": [{"role": "user", "content": "Name three birds."}]},
+    ]})
     model: str | None = None
     prompt: str | None = Field(None, description="Text to tokenize; or send `messages`.")
     messages: list[ChatMessage] | None = Field(None, description="A chat, tokenized through the chat template.")
@@ -29,7 +33,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"examples": [{"tokens": [19556, 905]}]})
     model: str | None = None
     tokens: list[int]
 

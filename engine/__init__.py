@@ -4,22 +4,26 @@ from engine.engine import Engine, EngineStats
 from engine.handle import EngineHandle
 from engine.errors import (
     ContextLengthExceededError,
+    DrainingError,
     EngineError,
     GrammarError,
     InvalidRequestError,
     ModelLoadError,
     NoChatTemplateError,
     QueueFullError,
+    StepFailedError,
 )
-from engine.outputs import Choice, Completion, ContinuationScore, RequestOutput
+from engine.outputs import FINISH_ABORT, Choice, Completion, ContinuationScore, RequestOutput
 from engine.params import SamplingParams
 from engine.request import TokenLogprob
 
 __all__ = [
+    "FINISH_ABORT",
     "Choice",
     "Completion",
     "ContextLengthExceededError",
     "ContinuationScore",
+    "DrainingError",
     "Engine",
     "EngineConfig",
     "EngineError",
@@ -32,5 +36,6 @@ __all__ = [
     "QueueFullError",
     "RequestOutput",
     "SamplingParams",
+    "StepFailedError",
     "TokenLogprob",
 ]

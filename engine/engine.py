@@ -20,13 +20,15 @@ import torch
 
 from engine import compiled, cuda_graphs, loader, native_decode
 from engine.config import EngineConfig, batched_tokens_for
-from engine.errors import ContextLengthExceededError, GrammarError, InvalidRequestError, QueueFullError
+from engine.errors import (
+    ContextLengthExceededError, DrainingError, GrammarError, InvalidRequestError, QueueFullError, StepFailedError,
+)
 from engine.grammar import GrammarCompiler
 from engine.kv_cache import BlockAllocator, KVCache, blocks_needed
 from engine.loader import LoadedModel
 from engine.models.generic import RecomputeRunner
 from engine.native_decode import NativeDecode
-from engine.outputs import Completion, ContinuationScore, RequestOutput
+from engine.outputs import FINISH_ABORT, Completion, ContinuationScore, RequestOutput
 from engine.request import Request, Sequence, TokenLogprob
 from engine.runner import ModelRunner
 from engine.sampler import sample, token_logprob
@@ -47,6 +49,8 @@ class EngineStats:
     num_preemptions: int
     tokens_per_s: float  # generated tokens per second over the last few seconds
     num_prefix_cache_hits: int = 0  # KV blocks reused from the prefix cache since start
+    num_steps: int = 0  # model steps run since start, for every caller (the API, the UI, scoring)
+    num_generated_tokens: int = 0  # tokens sampled since start, for every caller
 
     @property
     def kv_cache_usage(self) -> float:
@@ -60,6 +64,8 @@ class Engine:
         self._lock = threading.Condition()
         self._running = False
         self._stopped = False
+        self._is_draining = False  # drain(): submit() refuses from now on
+        self._is_aborting_all = False  # abort_all() asked; the engine thread ends every request at its next turn
         # Every torch operation of the engine (loading, cache allocation, every step) runs on this one thread.
         # On few cores, a second thread running OpenMP regions (the caller's, had it loaded the model) makes
         # libgomp throttle every team's spin-waits: decode measured ~40% slower than from a single thread.
@@ -146,6 +152,9 @@ class Engine:
         self._aborts: deque[str] = deque()
         self._requests: dict[str, tuple[Request, RequestStream]] = {}  # engine thread only
         self._recent_tokens: deque[tuple[float, int]] = deque()
+        self._num_steps = 0
+        self._num_generated_tokens = 0
+        self._injected_failure: Exception | None = None  # fail_next_step()'s, for tests
         logger.info(
             "engine ready: %s (%s, %s, %s), max_model_len %d, %d KV blocks of %d tokens, %d tokens per step",
             self.model_name,
@@ -279,6 +288,29 @@ class Engine:
             self._thread.join(timeout=30)
             self._thread = None
 
+    def drain(self) -> None:
+        """Take no new requests from now on (submit() raises DrainingError); those already in run to their end.
+        A shutdown drains, waits until has_requests is False or its grace period is over, then calls abort_all()."""
+        with self._lock:
+            self._is_draining = True
+
+    @property
+    def is_draining(self) -> bool:
+        return self._is_draining
+
+    @property
+    def has_requests(self) -> bool:
+        """Whether any request is queued, waiting or running. Any thread may ask."""
+        with self._lock:  # the engine thread admits arrivals under it: none is ever in neither place
+            return bool(self._inbox or self._requests)
+
+    def abort_all(self) -> None:
+        """End every request at the engine thread's next turn: each unfinished sample gets a last output with
+        finish_reason FINISH_ABORT (its held-back text released) and its KV blocks are freed."""
+        with self._lock:
+            self._is_aborting_all = True
+            self._lock.notify()
+
     def __enter__(self) -> Engine:
         return self.start()
 
@@ -294,6 +326,8 @@ class Engine:
         request = Request(request_id or uuid.uuid4().hex, prompt_ids, params)
         stream = RequestStream(request.request_id)
         with self._lock:
+            if self._is_draining:
+                raise DrainingError("the engine is shutting down and takes no new requests")
             if len(self._inbox) + len(self.scheduler.waiting) >= self.config.max_waiting:
                 raise QueueFullError("too many requests are waiting; retry shortly")
             self._inbox.append((request, stream))
@@ -330,6 +364,8 @@ class Engine:
         pairs = [self._split_for_scoring(context, c) for c in continuations]
         params = SamplingParams(max_tokens=0, prompt_logprobs=1)
         completions = await asyncio.gather(*(self.complete(ctx + cont, params) for ctx, cont in pairs))
+        if any(not c.choices or c.choices[0].finish_reason == FINISH_ABORT for c in completions):
+            raise DrainingError("the engine shut down before scoring ended")
         scores = []
         for (ctx, cont), completion in zip(pairs, completions):
             entries = completion.prompt_logprobs[len(ctx) :]
@@ -338,6 +374,12 @@ class Engine:
             greedy = all(not e.top or e.logprob >= e.top[0][1] for e in entries)
             scores.append(ContinuationScore(sum(logprobs), greedy, cont, logprobs, top_ids))
         return scores
+
+    def fail_next_step(self, exc: Exception) -> None:
+        """For tests: the next step that runs the model raises `exc` in its place, as a kernel or model bug would.
+        Nothing in the server calls it. The requests of that step end with a StepFailedError; the rest go on."""
+        with self._lock:
+            self._injected_failure = exc
 
     def stats(self) -> EngineStats:
         now = time.monotonic()
@@ -351,6 +393,8 @@ class Engine:
             self.scheduler.num_preemptions,
             tokens_per_s,
             self.allocator.num_cached_hits,
+            self._num_steps,
+            self._num_generated_tokens,
         )
 
     # Validation (caller's thread).
@@ -370,25 +414,30 @@ class Engine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens or 0} for the completion). "
                 "Please reduce the prompt or the completion length.",
-                "max_tokens" if params.max_tokens else "prompt",
+                "prompt" if len(prompt_ids) >= self.max_model_len else "max_tokens",
             )
 
     def _split_for_scoring(self, context, continuation) -> tuple[list[int], list[int]]:
-        """Tokenize as lm-evaluation-harness does: the pair together, context boundary from the context alone."""
+        """Tokenize as lm-evaluation-harness does: the pair together, context boundary from the context alone.
+        Either side may be token ids instead (then used as given); neither may come out empty."""
         if not isinstance(context, str) or not isinstance(continuation, str):
-            ctx = context if not isinstance(context, str) else self.tokenizer.encode(context)
-            cont = continuation if not isinstance(continuation, str) else self.tokenizer.encode(continuation, False)
-            return list(ctx), list(cont)
-        trailing = len(context) - len(context.rstrip())
-        if trailing:  # a context's trailing space belongs to the continuation's first token
-            context, continuation = context[:-trailing], context[-trailing:] + continuation
-        ctx = self.tokenizer.encode(context)
-        whole = self.tokenizer.encode(context + continuation)
-        if not ctx:
+            ctx = list(context) if not isinstance(context, str) else self.tokenizer.encode(context)
+            cont = list(continuation) if not isinstance(continuation, str) else self.tokenizer.encode(continuation, False)
+        else:
+            trailing = len(context) - len(context.rstrip())
+            if trailing:  # a context's trailing space belongs to the continuation's first token
+                context, continuation = context[:-trailing], context[-trailing:] + continuation
+            ctx = self.tokenizer.encode(context)
+            cont = self.tokenizer.encode(context + continuation)[len(ctx) :]
+        if not ctx:  # the first token of a sequence has no likelihood: something must come before the continuation
             raise InvalidRequestError("the context must not be empty: the first token has no likelihood", "prompt")
-        if not continuation:
-            raise InvalidRequestError("a continuation is empty", "continuation")
-        return ctx, whole[len(ctx) :]
+        if not cont:
+            message = "a continuation is empty"
+            if isinstance(continuation, str) and continuation:
+                message = ("a continuation has no tokens of its own: tokenized after its context it merges into the "
+                           "context's last token (split the pair at a word boundary, or send token ids)")
+            raise InvalidRequestError(message, "continuation")
+        return ctx, cont
 
     def _context_limit(self, hf_config) -> int:
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
@@ -400,21 +449,32 @@ class Engine:
     # Engine thread.
     def _loop(self) -> None:
         while True:
-            with self._lock:
-                while self._running and not (self._inbox or self._aborts or self._warmup_blocks
-                                             or self.scheduler.has_work):
-                    self._lock.wait()
-                if not self._running:
-                    break
-                arrivals, self._inbox = list(self._inbox), deque()
-                aborts, self._aborts = list(self._aborts), deque()
-            for request, stream in arrivals:
-                self._admit(request, stream)
-            for request_id in aborts:
-                self._abort_now(request_id)
-            self._release_warmup_blocks()
-            if self.scheduler.has_work:
-                self.step()
+            try:
+                with self._lock:
+                    while self._running and not (self._inbox or self._aborts or self._is_aborting_all
+                                                 or self._warmup_blocks or self.scheduler.has_work):
+                        self._lock.wait()
+                    if not self._running:
+                        break
+                    arrivals, self._inbox = list(self._inbox), deque()
+                    aborts, self._aborts = list(self._aborts), deque()
+                    abort_all, self._is_aborting_all = self._is_aborting_all, False
+                    for request, stream in arrivals:  # under the lock, so has_requests never misses one in transit
+                        self._admit(request, stream)
+                for request_id in aborts:
+                    self._abort_now(request_id)
+                if abort_all:
+                    self._end_all()
+                self._release_warmup_blocks()
+                if self.scheduler.has_work:
+                    self.step()
+            except Exception as exc:  # a bug outside any one step: fail what is in flight rather than stop serving
+                logger.exception("engine loop failed; failing %d requests", len(self._requests))
+                for request_id in list(self._requests):
+                    try:
+                        self._fail(request_id, exc)
+                    except Exception:  # its client has the error already; forget it rather than fail again
+                        self._requests.pop(request_id, None)
         for request_id in list(self._requests):
             self._abort_now(request_id)
 
@@ -437,6 +497,10 @@ class Engine:
             for seq, n in zip(batch.seqs, batch.num_new_tokens)
         ]
         wants_prompt = [seq.wants_prompt_logprobs for seq in batch.seqs]
+        if self._injected_failure is not None:
+            with self._lock:
+                failure, self._injected_failure = self._injected_failure, None
+            raise failure
         logits = self.runner.run(batch, samples, wants_prompt)
         starts = [seq.num_computed_tokens for seq in batch.seqs]
         self.scheduler.mark_computed(batch)
@@ -452,13 +516,15 @@ class Engine:
             if not s and seq.max_tokens == 0 and seq.num_computed_tokens >= seq.num_tokens:
                 self._emit(seq, [], "", None, "length")
         self._recent_tokens.append((time.monotonic(), len(results)))
+        self._num_steps += 1
+        self._num_generated_tokens += len(results)
         while len(self._recent_tokens) > 1000:
             self._recent_tokens.popleft()
 
     def _admit(self, request: Request, stream: RequestStream) -> None:
+        self._requests[request.request_id] = (request, stream)  # first: a failure below is delivered to it
         params = request.params
         max_tokens = self.max_model_len - len(request.prompt_ids) if params.max_tokens is None else params.max_tokens
-        self._requests[request.request_id] = (request, stream)
         for index in range(params.n):
             seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(63)
             generator = torch.Generator(device=self.device)
@@ -553,10 +619,23 @@ class Engine:
                 self.scheduler.finish(seq)
         stream.close()
 
+    def _end_all(self) -> None:
+        """Every unfinished sample ends now with FINISH_ABORT, so each consumer sees how its request ended."""
+        for request, _ in list(self._requests.values()):
+            for seq in request.sequences:
+                if not seq.is_finished:
+                    self._emit(seq, [], seq.output_text.finish(), None, FINISH_ABORT)
+
     def _fail(self, request_id: str, exc: Exception) -> None:
+        """End a request with the error that stopped it (its consumer raises it) and free its blocks."""
         entry = self._requests.get(request_id)
         if entry is not None:
-            entry[1].put(exc)
+            error = StepFailedError(
+                f"the engine failed while computing this request ({type(exc).__name__}; the server log has the "
+                "details). The server goes on serving: the request can be retried."
+            )
+            error.__cause__ = exc
+            entry[1].put(error)
         self._abort_now(request_id)
 
 

@@ -1,4 +1,5 @@
-"""Typed errors the engine raises for bad requests; the API maps each to a 4xx in OpenAI's shape."""
+"""Typed errors the engine raises: bad requests (the API answers a 4xx in OpenAI's shape), a full queue (429), a
+failed step (500) and a model that would not load (503)."""
 from __future__ import annotations
 
 
@@ -29,6 +30,15 @@ class GrammarError(InvalidRequestError):
 
 class QueueFullError(EngineError):
     """Too many requests are waiting; the client should retry later."""
+
+
+class DrainingError(EngineError):
+    """The engine is draining (the server is shutting down): it finishes what runs and takes nothing new."""
+
+
+class StepFailedError(EngineError):
+    """A step the request was part of raised (a model or kernel bug, not the request's fault): the request ends
+    with this error, its KV blocks are freed, and the engine goes on serving. The cause is chained and logged."""
 
 
 class ModelLoadError(EngineError):

@@ -12,6 +12,7 @@ class EngineHandle:
     def __init__(self, served_model_name: str | None = None) -> None:
         self.engine: Engine | None = None
         self.error: str | None = None  # one line saying why loading failed
+        self.is_draining = False  # drain(): shutting down, no new requests
         self._served_model_name = served_model_name
         self._ready = threading.Event()
 
@@ -26,8 +27,19 @@ class EngineHandle:
         return self.engine.model_name if self.engine is not None else "loading"
 
     def set_engine(self, engine: Engine) -> None:
+        if self.is_draining:  # loaded while shutting down: it takes no requests either
+            engine.drain()
         self.engine = engine
         self._ready.set()
+
+    def drain(self) -> Engine | None:
+        """Shutting down: the engine, now or once loaded, takes no new requests (Engine.drain). Returns the engine
+        if it is loaded: whoever drains waits for its requests to end."""
+        self.is_draining = True
+        engine = self.engine
+        if engine is not None:
+            engine.drain()
+        return engine
 
     def set_error(self, message: str) -> None:
         self.error = message

@@ -5,6 +5,10 @@ from dataclasses import dataclass, field
 
 from engine.request import TokenLogprob
 
+# The finish_reason of a sample the engine ended itself before it was done (Engine.abort_all, at shutdown). As
+# SGLang says it; OpenAI has no name for it, and "length" or "stop" would tell the client something untrue.
+FINISH_ABORT = "abort"
+
 
 @dataclass
 class RequestOutput:
@@ -15,7 +19,7 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None  # one per token in token_ids, when asked for
-    finish_reason: str | None  # "stop" | "length" on the last delta of this sample, else None
+    finish_reason: str | None  # "stop" | "length" | FINISH_ABORT on the last delta of this sample, else None
     stop_reason: str | int | None  # the stop string or stop token id that ended it, if any
     num_prompt_tokens: int
     num_output_tokens: int  # so far, for this sample

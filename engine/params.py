@@ -10,6 +10,15 @@ if TYPE_CHECKING:
     from engine.grammar import Grammar
 
 MAX_LOGPROBS = 20
+# Bounds on what one request may make every step do: each stop string is searched for after every token, and each
+# logit_bias entry and stop token id is applied or checked row by row, on the one thread all requests share.
+MAX_STOP_STRINGS = 16  # OpenAI takes 4; lm-evaluation-harness sends a task's `until` list plus EOS, uncapped
+MAX_STOP_LENGTH = 512  # characters per stop string
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+# Below this temperature sampling is greedy (vLLM's threshold): dividing by it would overflow the logits to
+# infinities, whose softmax is NaN, and the draw would return token 0.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -64,10 +73,18 @@ class SamplingParams:
                 value is None or 0 <= value <= MAX_LOGPROBS, f"{name} must be between 0 and {MAX_LOGPROBS}", name
             )
         _check(all(s for s in self.stop), "stop strings must not be empty", "stop")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}", "stop")
+        longest = max((len(s) for s in self.stop), default=0)
+        _check(longest <= MAX_STOP_LENGTH, f"stop strings must be at most {MAX_STOP_LENGTH} characters, got one of "
+               f"{longest}", "stop")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+               f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}", "stop_token_ids")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS,
+               f"at most {MAX_LOGIT_BIAS} logit_bias entries, got {len(self.logit_bias)}", "logit_bias")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

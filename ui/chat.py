@@ -6,7 +6,7 @@ from functools import partial
 
 import gradio as gr
 
-from engine import EngineError, EngineHandle
+from engine import FINISH_ABORT, EngineError, EngineHandle
 from ui.feedback import not_ready_message, ready_engine, report_error
 from ui.sampling import SamplingControls, build_sampling_controls, sampling_params
 from ui.tokens import LEGEND_HTML, render_tokens_html, token_views
@@ -62,6 +62,8 @@ async def generate_reply(
             reply["tokens"] += token_views(out.logprobs or [], engine.tokenizer.token_text, engine.tokenizer.eos_ids)
             if out.finish_reason == "length":
                 notice = f"The reply stopped at the limit of {params.max_tokens} new tokens (see Sampling settings)."
+            elif out.finish_reason == FINISH_ABORT:
+                notice = "\u26a0\ufe0f The server is shutting down: the reply was cut short."
             yield render_chatbot(history, show_probs), history, notice
     except Exception as exc:  # a failure delivered mid-stream; the conversation so far stays usable
         yield render_chatbot(history, show_probs), history, report_error(exc)

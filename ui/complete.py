@@ -5,7 +5,7 @@ from functools import partial
 
 import gradio as gr
 
-from engine import EngineError, EngineHandle
+from engine import FINISH_ABORT, EngineError, EngineHandle
 from ui.feedback import not_ready_message, ready_engine, report_error
 from ui.sampling import build_sampling_controls, sampling_params
 from ui.tokens import render_tokens_html, token_views
@@ -83,7 +83,8 @@ def _status(num_prompt_tokens: int, num_output_tokens: int, finish_reason: str |
     counts = f"{num_prompt_tokens} prompt tokens \u00b7 {num_output_tokens} generated"
     if finish_reason is None:
         return f"{counts} \u00b7 generating\u2026"
-    why = {"length": "hit the max tokens limit", "stop": "the model ended the text"}.get(finish_reason, finish_reason)
+    why = {"length": "hit the max tokens limit", "stop": "the model ended the text",
+           FINISH_ABORT: "cut short, the server is shutting down"}.get(finish_reason, finish_reason)
     if isinstance(stop_reason, str):
         why = f"reached the stop sequence {stop_reason!r}"
     return f"{counts} \u00b7 finished: {why}"

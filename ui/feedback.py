@@ -5,7 +5,7 @@ import logging
 
 import gradio as gr
 
-from engine import Engine, EngineError, EngineHandle, QueueFullError
+from engine import DrainingError, Engine, EngineError, EngineHandle, QueueFullError
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,8 @@ def report_error(exc: Exception) -> str:
     """Toast a readable message for a failed request and return it as inline Markdown; never a stack trace."""
     if isinstance(exc, QueueFullError):
         message = "The server is busy (too many requests are waiting). Try again in a moment."
+    elif isinstance(exc, DrainingError):
+        message = "The server is shutting down and takes no new requests. Try again in a moment."
     elif isinstance(exc, EngineError):
         message = exc.message
     else:

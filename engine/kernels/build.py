@@ -64,21 +64,25 @@ def load_library(isas: tuple[str, ...], cache_dir: Path) -> Path:
     sources = [name for name, isa in KERNEL_SOURCES.items() if isa in isas]
     defines = [f"-DTERN_WITH_{isa.upper()}" for isa in isas]
     key = _key(cxx, sources, defines)
-    for folder in (cache_dir / "kernels", Path(tempfile.gettempdir()) / f"tern-kernels-{os.getuid()}"):
+    cache, temporary = cache_dir / "kernels", Path(tempfile.gettempdir()) / f"tern-kernels-{os.getuid()}"
+    problems = []
+    for folder in (cache, temporary):
         library = folder / f"tern_kernels-{key}.so"
         if not library.exists():
             try:
                 folder.mkdir(parents=True, exist_ok=True)
                 _build(cxx, sources, defines, folder, library)
             except OSError as exc:  # a read-only or full cache: build in the next folder
-                logger.info("cannot write %s (%s); building the CPU kernels in a temporary folder", folder, exc)
+                problems.append(f"{folder}: {exc.strerror or exc}")
+                then = "; building the CPU kernels in a temporary folder" if folder == cache else ""
+                logger.warning("cannot write the CPU kernels to %s (%s)%s", folder, exc.strerror or exc, then)
                 continue
         try:
             torch.ops.load_library(str(library))
         except OSError as exc:
             raise BuildError(f"loading {library.name} failed: {exc}") from None
         return library
-    raise BuildError(f"no writable folder to build them in (tried {cache_dir / 'kernels'} and a temporary one)")
+    raise BuildError(f"no writable folder to build them in ({'; '.join(problems)})")
 
 
 def _key(cxx: str, sources: list[str], defines: list[str]) -> str:
@@ -134,5 +138,6 @@ def _run(command: list[str]) -> None:
     except subprocess.TimeoutExpired:
         raise BuildError(f"{what} took over {BUILD_TIMEOUT_S} s to compile") from None
     except subprocess.CalledProcessError as exc:
-        lines = [line for line in exc.stderr.splitlines() if "error" in line] or exc.stderr.strip().splitlines() or [""]
+        lines = ([line for line in exc.stderr.splitlines() if "error" in line] or exc.stderr.strip().splitlines()
+                 or [f"exit status {exc.returncode}, nothing on stderr"])
         raise BuildError(f"the compiler failed on {what}: {lines[0][:300]}") from None

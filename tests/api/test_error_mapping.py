@@ -8,7 +8,14 @@ from starlette.exceptions import HTTPException
 
 from api.errors import ClientDisconnected, OpenAIError, to_openai_error
 from api.protocol import ChatCompletionRequest, CompletionRequest
-from engine import ContextLengthExceededError, InvalidRequestError, ModelLoadError, NoChatTemplateError, QueueFullError
+from engine import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    ModelLoadError,
+    NoChatTemplateError,
+    QueueFullError,
+    StepFailedError,
+)
 
 
 def _validation_error(model, body) -> RequestValidationError:
@@ -63,6 +70,7 @@ def test_malformed_json_and_non_objects():
         (NoChatTemplateError("no template", "messages"), 400, "chat_template_missing"),
         (QueueFullError("busy"), 429, "rate_limit_exceeded"),
         (ModelLoadError("missing file"), 503, "model_not_ready"),
+        (StepFailedError("the engine failed while computing this request"), 500, None),
     ],
 )
 def test_engine_errors(exc, status, code):

@@ -8,7 +8,15 @@ import time
 import pytest
 import torch
 
-from engine import ContextLengthExceededError, InvalidRequestError, QueueFullError, SamplingParams
+from engine import (
+    FINISH_ABORT,
+    ContextLengthExceededError,
+    DrainingError,
+    InvalidRequestError,
+    QueueFullError,
+    SamplingParams,
+)
+from engine.params import MAX_LOGIT_BIAS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -184,7 +192,11 @@ def test_bad_requests_raise_before_anything_is_queued(tiny_engine_factory):
     engine, _ = tiny_engine_factory(max_model_len=64)
     with pytest.raises(ContextLengthExceededError) as info:
         engine.submit(list(range(3, 60)), SamplingParams(max_tokens=10))
-    assert "maximum context length is 64" in info.value.message
+    assert "maximum context length is 64" in info.value.message and "57 in the prompt" in info.value.message
+    assert info.value.param == "max_tokens"  # the prompt fits: asking for fewer tokens would do
+    with pytest.raises(ContextLengthExceededError) as info:
+        engine.submit(list(range(3, 73)), SamplingParams(max_tokens=1))
+    assert info.value.param == "prompt" and "70 in the prompt" in info.value.message
     with pytest.raises(InvalidRequestError):
         engine.submit([5, 10**9], SamplingParams())
     with pytest.raises(InvalidRequestError):
@@ -195,6 +207,51 @@ def test_bad_requests_raise_before_anything_is_queued(tiny_engine_factory):
         SamplingParams(logprobs=21)
     [ok] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2))  # the engine still serves
     assert len(ok.choices[0].token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    ("param", "at_limit", "over"),
+    [
+        ("stop", tuple(f"s{i}" for i in range(MAX_STOP_STRINGS)), tuple(f"s{i}" for i in range(MAX_STOP_STRINGS + 1))),
+        ("stop", ("x" * MAX_STOP_LENGTH,), ("x" * (MAX_STOP_LENGTH + 1),)),
+        ("stop_token_ids", tuple(range(MAX_STOP_TOKEN_IDS)), tuple(range(MAX_STOP_TOKEN_IDS + 1))),
+        ("logit_bias", dict.fromkeys(range(MAX_LOGIT_BIAS), 1.0), dict.fromkeys(range(MAX_LOGIT_BIAS + 1), 1.0)),
+    ],
+)
+def test_lists_that_every_step_walks_are_bounded(param, at_limit, over):
+    SamplingParams(**{param: at_limit})
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**{param: over})
+    assert info.value.param == param and "at most" in info.value.message
+
+
+def test_a_draining_engine_finishes_what_runs_and_refuses_the_rest(tiny_engine_factory):
+    engine, _ = tiny_engine_factory()
+    prompt = _prompts(1)[0]
+    [alone] = engine.generate([prompt], GREEDY)
+    stream = engine.submit(prompt, GREEDY)
+    engine.drain()
+    assert engine.is_draining and engine.has_requests
+    with pytest.raises(DrainingError):
+        engine.submit(prompt, GREEDY)
+    outputs = list(stream)  # the request admitted before the drain runs to its own end
+    assert [t for out in outputs for t in out.token_ids] == alone.choices[0].token_ids
+    assert outputs[-1].finish_reason == "length"
+    _wait_until(lambda: not engine.has_requests)
+
+
+def test_abort_all_ends_every_sample_with_abort_and_frees_the_cache(tiny_engine_factory):
+    engine, _ = tiny_engine_factory(max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, n=2)
+    running = engine.submit(_prompts(1)[0], params)
+    next(running)  # decoding
+    waiting = engine.submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    engine.drain()
+    engine.abort_all()
+    for stream, num_samples in ((running, 2), (waiting, 1)):
+        finishes = [out.finish_reason for out in stream if out.finish_reason is not None]
+        assert finishes == [FINISH_ABORT] * num_samples  # every sample learns how it ended, once
+    _wait_until(lambda: not engine.has_requests and engine.stats().num_kv_blocks_used == 0)
 
 
 def test_a_full_queue_refuses_instead_of_growing(tiny_engine_factory):

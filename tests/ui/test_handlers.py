@@ -180,6 +180,44 @@ def test_too_long_prompt_is_a_readable_message_and_the_chat_keeps_working(tiny_e
     assert history[-1]["role"] == "assistant" and len(history[-1]["tokens"]) >= 1
 
 
+def test_too_long_prompts_in_complete_and_score_are_readable_messages(tiny_engine_factory):
+    engine, _ = tiny_engine_factory(max_model_len=64)
+    tiny = EngineHandle()
+    tiny.set_engine(engine)
+    with pytest.warns(UserWarning, match="maximum context length is 64"):
+        text, _, status = collect(complete_text(tiny, "word " * 100, False, 0.0, 1.0, 0, 4, "", ""))[-1]
+    assert text == "" and status.startswith("\u26a0\ufe0f") and "maximum context length is 64" in status
+    with pytest.warns(UserWarning, match="maximum context length is 64"):
+        rows, _, notice = asyncio.run(score_continuations(tiny, "word " * 100, " a\n b"))
+    assert rows == [] and "maximum context length is 64" in notice
+    assert collect(complete_text(tiny, "word", False, 0.0, 1.0, 0, 4, "", ""))[-1][0]  # still serving
+
+
+def test_a_shutdown_cuts_a_reply_short_and_refuses_new_ones_with_a_message(tiny_engine_factory):
+    engine, _ = tiny_engine_factory()
+    tiny = EngineHandle()
+    tiny.set_engine(engine)
+    _, history, _, _ = add_user_message("hi", [], False)
+
+    async def shut_down_mid_reply():
+        replies = generate_reply(tiny, history, *{**GREEDY, "max_tokens": 480}.values())
+        first = await replies.__anext__()
+        tiny.drain()
+        engine.abort_all()  # what a shutdown does once its drain timeout is over
+        return [first, *[out async for out in replies]]
+
+    _, cut, notice = asyncio.run(shut_down_mid_reply())[-1]
+    assert "shutting down" in notice and 0 < len(cut[-1]["tokens"]) < 480
+    with pytest.warns(UserWarning, match="shutting down"):
+        assert "takes no new requests" in ask(tiny, "hello")[2]
+
+
+def test_more_stop_sequences_than_allowed_is_a_readable_message(handle):
+    with pytest.warns(UserWarning, match="at most 16 stop strings"):
+        notice = ask(handle, "hi", stop="\n".join(f"s{i}" for i in range(17)))[2]
+    assert "at most 16 stop strings" in notice
+
+
 def test_bad_seed_is_a_readable_message(handle):
     with pytest.warns(UserWarning, match="whole number"):
         notice = ask(handle, "hi", seed="abc")[2]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -122,3 +123,56 @@ def test_help_names_the_kernel_path_and_how_to_force_one():
         expected = "off" if forced == "off" else _best_path()
         assert f"CPU kernels on this machine: {expected} (int8:" in text
         assert "TERN_CPU_KERNELS=avx512|avx2|off" in text
+
+
+# A build that cannot happen, each in a fresh process (a process builds and loads the library once): `select` takes
+# the `off` path and says why at WARNING, so an operator reading the start-up log knows the server runs on aten.
+_SELECT = (
+    "import logging, sys; from pathlib import Path; "
+    "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(levelname)s %(name)s: %(message)s'); "
+    "from engine import kernels; print('selected', kernels.select(Path(sys.argv[1])).path)"
+)
+
+
+def _select_in_a_fresh_process(cache_dir: Path, **env: str) -> str:
+    if kernels.unsupported_reason("avx2") and "compiler" not in kernels.unsupported_reason("avx2"):
+        pytest.skip(f"no kernel path to build on this CPU: {kernels.unsupported_reason('avx2')}")
+    base = {k: v for k, v in os.environ.items() if k not in (kernels.ENV_VAR, "CXX")}  # auto, the usual compiler
+    result = subprocess.run([sys.executable, "-c", _SELECT, str(cache_dir)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**base, **env})
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+def _fallback_line(log: str) -> str:
+    assert log.splitlines()[-1] == "selected off", log
+    [line] = [line for line in log.splitlines() if line.startswith("WARNING engine.kernels.dispatch: CPU kernels: off")]
+    return line
+
+
+def test_no_compiler_on_path_falls_back_to_off_and_says_so(tmp_path):
+    empty_bin = tmp_path / "bin"
+    empty_bin.mkdir()
+    line = _fallback_line(_select_in_a_fresh_process(tmp_path / "cache", PATH=str(empty_bin)))
+    assert "avx2: no C++ compiler (g++) to build the kernels" in line
+
+
+def test_a_compiler_that_fails_falls_back_to_off_and_says_so(tmp_path):
+    line = _fallback_line(_select_in_a_fresh_process(tmp_path / "cache", CXX=shutil.which("false") or "/bin/false"))
+    assert "could not be built: the compiler failed on ops.cpp" in line
+
+
+def test_a_cache_and_a_temporary_folder_that_cannot_be_written_fall_back_to_off_and_say_so(tmp_path):
+    """Folders that cannot be created: under a file (chmod would not stop root, who runs CI here). Each is named
+    in the log; the kernels are never half-built."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    (temp / f"tern-kernels-{os.getuid()}").write_text("")  # where build.py falls back to
+    log = _select_in_a_fresh_process(blocker / "cache", TMPDIR=str(temp))
+    line = _fallback_line(log)
+    assert "no writable folder to build them in" in line
+    assert str(blocker / "cache" / "kernels") in line and str(temp / f"tern-kernels-{os.getuid()}") in line
+    assert "WARNING engine.kernels.build: cannot write the CPU kernels to" in log
+    assert not list(tmp_path.rglob("*.so"))

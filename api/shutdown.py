@@ -1,0 +1,75 @@
+"""Graceful shutdown: on SIGTERM or SIGINT the server drains before it closes its socket, and then exits 0.
+
+Draining: /ready and new work answer 503 with Retry-After (the socket stays open, so clients get an answer rather
+than a refused connection); running requests get up to the drain timeout to finish; whatever still runs then is
+ended by the engine with finish_reason "abort" (a stream gets that last chunk and [DONE], a plain request a 503).
+A second signal ends the wait at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from types import FrameType
+
+import uvicorn
+
+from engine import Engine, EngineHandle
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+POLL_S = 0.05
+# After the engine ended every request: how long their last chunks and responses may take to be written.
+_ABORT_WAIT_S = 10.0
+FLUSH_TIMEOUT_S = 10.0  # uvicorn's timeout_graceful_shutdown: then open connections (a stuck client) are cut
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose signals start a drain instead of closing the socket. uvicorn's own handler sets
+    should_exit (its shutdown closes the socket first) and re-raises the signal once done, which makes the exit
+    status 128 + signal; this one sets should_exit only when the drain is over and re-raises nothing."""
+
+    def __init__(self, config: uvicorn.Config, handle: EngineHandle, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.handle = handle
+        self.drain_timeout_s = drain_timeout_s
+        self._num_signals = 0
+        self._drain: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler: only flags here; on_tick, on the event loop, starts the drain.
+        self._num_signals += 1
+        if not self.started:  # still starting up: nothing is running yet, so nothing to drain
+            self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._num_signals and self._drain is None:
+            self._drain = asyncio.create_task(self._drain_then_exit())
+        return await super().on_tick(counter)
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            engine = self.handle.drain()
+            if engine is not None:
+                await self._drain_engine(engine)
+        except Exception:  # never keep the server from exiting
+            logger.exception("draining failed; shutting down")
+        finally:
+            self.should_exit = True
+
+    async def _drain_engine(self, engine: Engine) -> None:
+        if engine.has_requests:
+            logger.info("draining: new requests get 503; the running ones have up to %.0f s to finish (send the "
+                        "signal again to end them now)", self.drain_timeout_s)
+        deadline = time.monotonic() + self.drain_timeout_s
+        while engine.has_requests and time.monotonic() < deadline and self._num_signals < 2:
+            await asyncio.sleep(POLL_S)
+        if not engine.has_requests:
+            logger.info("drained: every request finished")
+            return
+        logger.warning("drain over: ending the requests still running (finish_reason \"abort\")")
+        engine.abort_all()
+        deadline = time.monotonic() + _ABORT_WAIT_S
+        while engine.has_requests and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S)
