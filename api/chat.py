@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: render the chat template, generate, answer as one JSON body or as SSE chunks."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ from api.errors import OpenAIError
 from api.generation import Generation, Sample, until_disconnected
 from api.logprobs import chat_logprobs, visible_logprobs
 from api.protocol import ChatCompletionRequest, ChatMessage, template_messages
+from api.response_format import grammar_for
 from api.responses import ChatChoice, ChatCompletion, ChatCompletionChunk, ChatMessageOut, streamed
 from api.server import Server
 from api.sse import event_stream
@@ -29,6 +31,7 @@ def add_routes(router: APIRouter, server: Server) -> None:
         engine = server.engine(body.model)
         params = body.to_sampling_params()
         prompt_ids = prompt_ids_for(engine, body.messages)
+        params = dataclasses.replace(params, grammar=await grammar_for(engine, body.response_format))
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             generation = Generation(engine, [prompt_ids], params, response_id, server.metrics, request.state.request_id)

@@ -1,6 +1,7 @@
 """POST /v1/completions: text or token-id prompts (batched), echo, and legacy logprobs with text offsets."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ from engine import Engine, RequestOutput
 from api.generation import Generation, Sample, until_disconnected
 from api.logprobs import completion_logprobs, merge_logprobs, text_offsets
 from api.protocol import CompletionRequest
+from api.response_format import grammar_for
 from api.responses import CompletionChoice, TextCompletion, streamed
 from api.server import Server
 from api.sse import event_stream
@@ -31,6 +33,7 @@ def add_routes(router: APIRouter, server: Server) -> None:
         prompts = body.prompts()
         # Text is tokenized as the engine would (with the tokenizer's special tokens); token ids are used as given.
         prompt_ids = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        params = dataclasses.replace(params, grammar=await grammar_for(engine, body.response_format))
         response_id = f"cmpl-{uuid.uuid4().hex}"
         generation = Generation(engine, prompt_ids, params, response_id, server.metrics, request.state.request_id)
         choices = _Choices(body, prompts, generation, engine)

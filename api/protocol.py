@@ -54,6 +54,10 @@ class SamplingRequest(_Body):
     stop_token_ids: list[int] | None = Field(
         None, description=f"Extension: token ids that end the text, at most {MAX_STOP_TOKEN_IDS}."
     )
+    response_format: dict[str, Any] | None = Field(
+        None, description="{\"type\": \"text\"} (default), {\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
+        "\"json_schema\": {\"name\", \"schema\", \"strict\"}}: the output is held to it token by token "
+        "(api/response_format.py; on /v1/completions an extension, as in vLLM).")
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None):
         if self.stream_options is not None and not self.stream:
@@ -112,7 +116,6 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="Default: up to the end of the context.")
     logprobs: bool | None = Field(False, description="Return each output token's logprob.")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Alternatives per token, 0 to 20.")
-    response_format: dict[str, Any] | None = Field(None, description="Only {\"type\": \"text\"} is supported.")
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported: must be absent or empty.")
 
     def to_sampling_params(self) -> SamplingParams:
@@ -120,9 +123,6 @@ class ChatCompletionRequest(SamplingRequest):
             raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         if self.tools:
             raise OpenAIError(400, "tools are not supported by this server", param="tools", code="unsupported_parameter")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            message = "only response_format {\"type\": \"text\"} is supported"
-            raise OpenAIError(400, message, param="response_format", code="unsupported_parameter")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 

@@ -21,8 +21,9 @@ import torch
 from engine import compiled, cuda_graphs, loader, native_decode
 from engine.config import EngineConfig, batched_tokens_for
 from engine.errors import (
-    ContextLengthExceededError, DrainingError, InvalidRequestError, QueueFullError, StepFailedError,
+    ContextLengthExceededError, DrainingError, GrammarError, InvalidRequestError, QueueFullError, StepFailedError,
 )
+from engine.grammar import GrammarCompiler
 from engine.kv_cache import BlockAllocator, KVCache, blocks_needed
 from engine.loader import LoadedModel
 from engine.models.generic import RecomputeRunner
@@ -104,6 +105,8 @@ class Engine:
         generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.tokenizer = TokenizerView(self.loaded.tokenizer, generation_eos or hf_config.eos_token_id)
         self.vocab_size = hf_config.vocab_size
+        # Structured output: response formats -> grammars, compiled on the callers' threads (never this one).
+        self.grammars = GrammarCompiler(self.loaded.tokenizer, self.vocab_size, self.tokenizer.eos_ids)
 
         block_size = self.config.block_size
         max_model_len = self._context_limit(hf_config)
@@ -551,6 +554,10 @@ class Engine:
 
     def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
         params = seq.params
+        if seq.grammar is not None and not seq.grammar.accept(token_id):  # only if a mask failed: fail this request
+            error = GrammarError(f"the grammar refused token {token_id}: {seq.grammar.error}")
+            self._fail(seq.request.request_id, error)
+            return
         seq.token_ids.append(token_id)
         finish_reason = stop_reason = None
         delta = ""
@@ -562,6 +569,8 @@ class Engine:
             delta, stopped = seq.output_text.append(token_id)
             if stopped:
                 finish_reason, stop_reason = "stop", seq.output_text.stop_reason
+        if finish_reason is None and seq.grammar is not None and seq.grammar.is_finished:
+            finish_reason = "stop"  # the structured output is complete: nothing but an end could follow
         if finish_reason is None and (seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
             finish_reason = "length"
         if finish_reason is not None and not isinstance(stop_reason, str):

@@ -24,6 +24,10 @@ class NoChatTemplateError(InvalidRequestError):
     """A chat request reached a model whose tokenizer has no chat template."""
 
 
+class GrammarError(InvalidRequestError):
+    """A response format (JSON schema) that cannot be compiled to a grammar; the message names the problem."""
+
+
 class QueueFullError(EngineError):
     """Too many requests are waiting; the client should retry later."""
 

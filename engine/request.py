@@ -22,7 +22,8 @@ class TokenLogprob:
 
     Logprobs are of the model's raw distribution (log-softmax of the logits before temperature, penalties or
     truncation), like vLLM's default: they mean the same whatever the sampling settings, and scoring relies on
-    that.
+    that. Under a grammar (structured output) they are of that distribution restricted to the tokens the grammar
+    allows, renormalised, as vLLM v1 reports them (engine/grammar.py).
     """
 
     token_id: int
@@ -61,6 +62,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.max_tokens: int = 0  # resolved against the context length at submit
+        grammar = request.params.grammar
+        self.grammar = grammar.matcher() if grammar is not None else None  # its own position in the grammar
         self.num_preemptions = 0
 
     @property

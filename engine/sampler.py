@@ -1,17 +1,21 @@
-"""Turn a batch of next-token logits into tokens and logprobs: penalties, temperature, top-k/top-p/min-p, seeds.
+"""Turn a batch of next-token logits into tokens and logprobs: grammar masks, penalties, temperature,
+top-k/top-p/min-p, seeds.
 
 Every sequence samples with its own torch.Generator, so a seeded request draws the same tokens whatever else
-shares its batch.
+shares its batch. A sequence with a grammar (structured output) has the tokens it forbids masked before anything
+else, logprobs included (engine/grammar.py says why).
 """
 from __future__ import annotations
 
 import torch
 
+from engine.grammar import mask_logits
 from engine.request import Sequence, TokenLogprob
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) -> list[tuple[int, TokenLogprob | None]]:
     """logits: [N, V] float32, one row per sequence. Returns (token_id, logprob or None) per row."""
+    logits = mask_logits(logits, [seq.grammar for seq in seqs])
     want_logprobs = [seq.params.logprobs is not None for seq in seqs]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
     logits = _process(logits, seqs, eos_ids)
@@ -67,8 +71,11 @@ def _process(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]
         for token_id, bias in params.logit_bias.items():
             row[token_id] += bias
         if banned:
-            for token_id in (*eos_ids, *params.stop_token_ids):
-                row[token_id] = float("-inf")
+            ended = torch.tensor([*eos_ids, *params.stop_token_ids], device=row.device, dtype=torch.long)
+            kept = row[ended].clone()
+            row[ended] = float("-inf")
+            if seq.grammar is not None and torch.isneginf(row).all():
+                row[ended] = kept  # the grammar allows nothing but an end here: it wins over min_tokens
     return logits
 
 

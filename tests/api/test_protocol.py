@@ -65,7 +65,6 @@ def test_the_four_prompt_shapes(prompt, expected):
     ("request_", "param"),
     [
         (lambda: chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-        (lambda: chat(response_format={"type": "json_object"}), "response_format"),
         (lambda: chat(top_logprobs=3), "top_logprobs"),
         (lambda: chat(stream_options={"include_usage": True}), "stream_options"),
         (lambda: chat(logit_bias={"not-a-token": 1}), "logit_bias"),

@@ -134,8 +134,11 @@ BAD_INPUTS = [
      400, "messages[0].content[0]", "unsupported_content_type"),
     ("tools", CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
      "unsupported_parameter"),
-    ("a JSON response_format", CHAT, {"messages": HI, "response_format": {"type": "json_object"}}, 400, "response_format",
-     "unsupported_parameter"),
+    ("a response_format of an unknown type", CHAT, {"messages": HI, "response_format": {"type": "xml"}}, 400,
+     "response_format", "unsupported_parameter"),
+    ("a JSON schema that cannot be compiled", CHAT, {"messages": HI, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(("}}}}, 400,
+     "response_format", "invalid_value"),
     ("stream_options without stream", CHAT, {"messages": HI, "stream_options": {"include_usage": True}}, 400,
      "stream_options", ANY),
     ("a logit_bias key that is no token id", CHAT, {"messages": HI, "logit_bias": {"Paris": 5}}, 400, "logit_bias", ANY),

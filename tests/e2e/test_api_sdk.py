@@ -3,10 +3,14 @@ checked by what a user sees in the answer (the text, the finish reason, the usag
 from __future__ import annotations
 
 import asyncio
+import json
+from typing import Literal, Optional
 
 import httpx
+import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 pytestmark = pytest.mark.slow
 
@@ -185,6 +189,61 @@ def test_every_role_and_text_parts_are_accepted(client, model):
         {"role": "user", "content": "And how many people live there?"},
     ]
     assert answer(conversation)[0]
+
+
+# Structured output.
+class Sighting(BaseModel):
+    lat: int = Field(ge=-90, le=90)
+    lon: int = Field(ge=-180, le=180)
+
+
+class Bird(BaseModel):
+    """Enum, integer range, string length, array bounds, a nested model ($defs/$ref) and an Optional (anyOf)."""
+
+    name: str = Field(max_length=30)
+    kind: Literal["tern", "gull", "other"]
+    wingspan_cm: int = Field(ge=10, le=400)
+    colours: list[Literal["white", "grey", "black", "orange"]] = Field(min_length=1, max_length=3)
+    seen_at: Sighting
+    note: Optional[str] = Field(max_length=40)
+
+
+BIRD_QUESTION = [{"role": "user", "content": "Describe the common tern."}]
+
+
+def test_parse_returns_the_pydantic_object_streamed_or_not(client, model):
+    completion = client.chat.completions.parse(
+        model=model, messages=BIRD_QUESTION, response_format=Bird, temperature=0, max_tokens=300)
+    [choice] = completion.choices
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Bird)
+    assert Bird.model_validate_json(choice.message.content) == choice.message.parsed
+    with client.chat.completions.stream(
+        model=model, messages=BIRD_QUESTION, response_format=Bird, temperature=0, max_tokens=300
+    ) as stream:
+        streamed = stream.get_final_completion()
+    assert streamed.choices[0].message.parsed == choice.message.parsed
+
+
+def test_json_object_and_a_raw_json_schema(client, model):
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    response = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=100,
+                                              response_format={"type": "json_object"})
+    assert response.choices[0].finish_reason == "stop"
+    assert json.loads(response.choices[0].message.content) == {"city": "Paris"}
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "pattern": "^[A-Z][a-z]+$"}},
+              "required": ["capital"], "additionalProperties": False}
+    response = ask(client, model, max_tokens=100, response_format={
+        "type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(response.choices[0].message.content), schema)
+
+
+def test_a_schema_that_cannot_be_compiled_is_a_bad_request(client, model):
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(client, model, response_format={"type": "json_schema", "json_schema": {
+            "name": "broken", "schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/nowhere"}}}}})
+    assert caught.value.param == "response_format" and "nowhere" in caught.value.message
+    with pytest.raises(openai.LengthFinishReasonError):  # cut short: the SDK will not parse half an object
+        client.chat.completions.parse(model=model, messages=BIRD_QUESTION, response_format=Bird, max_tokens=5)
 
 
 # Completions.
