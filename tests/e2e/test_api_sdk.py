@@ -267,7 +267,7 @@ def test_completion_prompts_as_strings_token_ids_and_batches(client, model, live
     assert batch.usage.prompt_tokens == 5 + counting
 
 
-def test_echo_with_logprobs_returns_the_prompt_and_offsets_into_the_text(client, model):
+def test_echo_with_logprobs_returns_the_prompt_and_offsets_from_its_start(client, model):
     response = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=2)
     choice = response.choices[0]
     assert choice.text == PROMPT + " Paris."
@@ -280,6 +280,10 @@ def test_echo_with_logprobs_returns_the_prompt_and_offsets_into_the_text(client,
             assert logprob <= 0 and 2 <= len(top) <= 3 and top[token] == logprob
     generated = logprobs.token_logprobs[-2:]
     assert all(lp == max(top.values()) for lp, top in zip(generated, logprobs.top_logprobs[-2:]))  # greedy
+    # Without the echo the offsets still count from the prompt's start, as OpenAI's do.
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=2).choices[0]
+    assert plain.text == " Paris." and plain.logprobs.tokens == [" Paris", "."]
+    assert plain.logprobs.text_offset == logprobs.text_offset[-2:] == [len(PROMPT), len(PROMPT + " Paris")]
 
 
 def test_streamed_completion_matches_the_whole_one(client, model):
