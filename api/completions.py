@@ -90,7 +90,7 @@ class _Choices:
         # Offsets into the echoed text: a text prompt is echoed as sent, so special tokens the tokenizer added
         # (a BOS) take no room; token ids are echoed as decoded, special tokens shown.
         is_text = isinstance(self.prompts[prompt_index], str)
-        offsets = text_offsets(self.tokenizer.tokenizer, prompt_ids, skip_special_tokens=is_text)
+        offsets = text_offsets(self.tokenizer, prompt_ids, skip_special_tokens=is_text)
         logprobs = completion_logprobs(prompt_ids, entries or [None] * len(prompt_ids), offsets, self.tokenizer)
         if entries is not None:  # else not computed yet (another sample of a stream ran ahead): nulls this once
             self._prompt_logprobs[prompt_index] = logprobs

@@ -143,6 +143,20 @@ def test_logit_bias_forces_a_token(client, model, live_server):
     assert response.choices[0].message.content == " Paris Paris Paris"
 
 
+def test_a_reply_that_max_tokens_cuts_inside_an_emoji_leaves_it_out_streamed_or_not(client, model, live_server):
+    # The first token of " 😀" holds a space and three of the emoji's four bytes; max_tokens ends the reply there.
+    cut = httpx.post(f"{live_server}/tokenize", json={"prompt": " 😀", "add_special_tokens": False}).json()["tokens"][0]
+    options = {"max_tokens": 1, "logit_bias": {str(cut): 100}}
+    whole = ask(client, model, logprobs=True, **options)
+    chunks = list(ask(client, model, stream=True, stream_options={"include_usage": True}, **options))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert whole.choices[0].message.content == streamed == " "  # no U+FFFD for the emoji never finished
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == 1
+    assert [bytes(e.bytes) for e in whole.choices[0].logprobs.content] == [" 😀".encode()[:4]]
+    completion = client.completions.create(model=model, prompt=PROMPT, **options)
+    assert (completion.choices[0].text, completion.choices[0].finish_reason) == (" ", "length")
+
+
 def test_penalties_user_and_repetition_penalty_are_accepted(client, model):
     response = ask(
         client, model, max_tokens=6, presence_penalty=1.5, frequency_penalty=1.5, user="user-1",
