@@ -45,7 +45,7 @@ def add_routes(router: APIRouter, server: Server) -> None:
 
 
 class _Choices:
-    """Samples as completion choices: the echoed prompt in front, logprobs with offsets into the returned text."""
+    """Samples as completion choices: the echoed prompt in front, logprobs with offsets into prompt + text."""
 
     def __init__(self, body: CompletionRequest, prompts: list, generation: Generation, engine: Engine) -> None:
         self.echo, self.want_logprobs = bool(body.echo), body.logprobs is not None
@@ -67,14 +67,16 @@ class _Choices:
 
     def _part(self, sample: Sample, first: int, with_echo: bool, text: str | None = None) -> tuple[str, dict | None]:
         text = sample.text if text is None else text
-        prefix = self.prompt_text(sample.prompt_index) if self.echo else ""
         logprobs = None
         if self.want_logprobs:
-            offsets = [len(prefix) + offset for offset in sample.text_offsets[first:]]
+            # Offsets count from the start of the prompt, echoed or not, as OpenAI's legacy API counts them: a client
+            # finds a token in prompt + text the same way whether it asked for the echo.
+            start = len(self.prompt_text(sample.prompt_index))
+            offsets = [start + offset for offset in sample.text_offsets[first:]]
             logprobs = completion_logprobs(sample.token_ids[first:], sample.logprobs[first:], offsets, self.tokenizer)
             if with_echo:
                 logprobs = merge_logprobs(self.prompt_logprobs(sample.prompt_index), logprobs)
-        return (prefix + text if with_echo else text), logprobs
+        return (self.prompt_text(sample.prompt_index) + text if with_echo else text), logprobs
 
     def _prompt_text(self, prompt_index: int) -> str:
         prompt = self.prompts[prompt_index]
@@ -88,7 +90,7 @@ class _Choices:
         # Offsets into the echoed text: a text prompt is echoed as sent, so special tokens the tokenizer added
         # (a BOS) take no room; token ids are echoed as decoded, special tokens shown.
         is_text = isinstance(self.prompts[prompt_index], str)
-        offsets = text_offsets(self.tokenizer.tokenizer, prompt_ids, skip_special_tokens=is_text)
+        offsets = text_offsets(self.tokenizer, prompt_ids, skip_special_tokens=is_text)
         logprobs = completion_logprobs(prompt_ids, entries or [None] * len(prompt_ids), offsets, self.tokenizer)
         if entries is not None:  # else not computed yet (another sample of a stream ran ahead): nulls this once
             self._prompt_logprobs[prompt_index] = logprobs

@@ -52,13 +52,13 @@ def merge_logprobs(first: dict, second: dict) -> dict:
     return {key: first[key] + second[key] for key in first}
 
 
-def text_offsets(hf_tokenizer, token_ids: list[int], skip_special_tokens: bool, start: int = 0) -> list[int]:
+def text_offsets(tokenizer, token_ids: list[int], skip_special_tokens: bool, start: int = 0) -> list[int]:
     """Where each token's text begins in decode(token_ids), counted in characters from `start`.
 
     Incremental detokenizing gives each token the characters it completes, so the offsets add up to the decoded
     text in one pass (decoding every prefix would be quadratic); a token that begins a character split over
-    several tokens gets that character's offset."""
-    output = OutputText(hf_tokenizer, (), None, skip_special_tokens)
+    several tokens gets that character's offset; tokenizer is the engine's TokenizerView."""
+    output = OutputText(tokenizer, (), None, skip_special_tokens)
     offsets, length = [], start
     for token_id in token_ids:
         offsets.append(length)

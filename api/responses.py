@@ -82,7 +82,9 @@ class CompletionLogprobs(BaseModel):
         description="Token -> logprob for the requested alternatives plus the chosen token; null for the first "
         "prompt token, which has no context."
     )
-    text_offset: list[int] = Field(description="Where each token's text begins in the returned text (characters).")
+    text_offset: list[int] = Field(
+        description="Where each token's text begins in the prompt followed by the completion (characters), echoed or not."
+    )
 
 
 class CompletionChoice(BaseModel):

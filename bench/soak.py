@@ -590,7 +590,9 @@ def _compare_greedy(kind: str, key: int, result: dict, greedy: dict, exact: bool
 
 def _near_tie(greedy: dict, text: str, finish: str | None, may_stop: bool) -> str:
     logprobs = greedy["logprobs"]
-    tokens, offsets, chosen = logprobs["tokens"], logprobs["text_offset"], logprobs["token_logprobs"]
+    tokens, chosen = logprobs["tokens"], logprobs["token_logprobs"]
+    # text_offset counts from the prompt's start: the first token's is where the completion begins.
+    offsets = [offset - logprobs["text_offset"][0] for offset in logprobs["text_offset"]]
     alone = greedy["text"]
     at = next((i for i, (a, b) in enumerate(zip(alone, text)) if a != b), min(len(alone), len(text)))
     k = next((i for i, (o, t) in enumerate(zip(offsets, tokens)) if o + len(t) > at), None)

@@ -529,9 +529,7 @@ class Engine:
             seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(63)
             generator = torch.Generator(device=self.device)
             generator.manual_seed(seed)
-            text = OutputText(
-                self.tokenizer.tokenizer, params.stop, request.prompt_ids, params.skip_special_tokens
-            )
+            text = OutputText(self.tokenizer, params.stop, request.prompt_ids, params.skip_special_tokens)
             seq = Sequence(next(self._seq_ids), request, index, generator, text)
             seq.max_tokens = max_tokens
             request.sequences.append(seq)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ class OutputText:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Any,  # engine.tokens.TokenizerView: decode(ids, skip_special_tokens) and token_bytes(token_id)
         stop: list[str] | tuple[str, ...] = (),
         prompt_ids: list[int] | None = None,
         skip_special_tokens: bool = True,
@@ -69,11 +70,15 @@ class OutputText:
         return self._release()
 
     def finish(self) -> str:
-        """The sequence ended for another reason (EOS, length): release all held-back text (the partial
-        stop-string prefix; an incomplete UTF-8 tail may be flushed as decoded). Returns the final delta."""
+        """The sequence ended for another reason (EOS, length, abort): release all held-back text (a partial
+        stop-string prefix). A character the last tokens began but never completed is left out: its bytes can no
+        longer become text, and a U+FFFD in their place would be a character the model never wrote. Returns the
+        final delta."""
         if self._stop_reason is not None:
             return ""
         new_text = self._decode(self._ids[self._prefix_offset :])
+        if new_text.endswith(_REPLACEMENT_CHAR):
+            new_text = self._decode_complete(self._ids[self._prefix_offset :])
         delta = self._held + new_text[len(self._prefix_text) :]
         self._held = ""
         self._prefix_offset = self._read_offset = len(self._ids)
@@ -94,6 +99,28 @@ class OutputText:
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
+    def _decode_complete(self, ids: list[int]) -> str:
+        """decode(ids) without the bytes at its end that begin a character and do not finish it.
+
+        Decoders show those bytes as U+FFFD, but so they show invalid bytes and the character U+FFFD itself, which
+        are text: only the tokens' bytes tell them apart. The ids before read_offset decoded to whole characters, so
+        an unfinished one begins after them."""
+        num_done = self._read_offset - self._prefix_offset
+        # A skipped special token adds no text, so no bytes either.
+        pieces = [self._tokenizer.token_bytes(i) if self._decode([i]) else b"" for i in ids[num_done:]]
+        num_unfinished = _num_unfinished_bytes(b"".join(pieces))
+        if num_unfinished == 0:
+            return self._decode(ids)
+        end = len(ids)  # walk back to the token in which the unfinished character begins
+        while num_unfinished > 0:
+            end -= 1
+            num_unfinished -= len(pieces[end - num_done])
+        # That token may begin with whole characters (byte-level BPE has " \xf0\x9f"): they stay. Only a byte-level
+        # token can hold both, and its text is its bytes decoded, so decoding them here gives what the tokenizer would.
+        num_whole = -num_unfinished  # the walk went this many bytes past the character's beginning
+        whole = pieces[end - num_done][:num_whole]
+        return self._decode(ids[:end]) + whole.decode("utf-8", errors="replace")
+
     def _release(self) -> tuple[str, bool]:
         """Cut at the earliest stop string in the held text, or send what can no longer begin one."""
         # Everything sent so far could not begin a stop string, so a match can only start inside the held text,
@@ -113,6 +140,13 @@ class OutputText:
             self._held = self._held[len(self._held) - num_held :]
         self._text += delta
         return delta, match is not None
+
+
+def _num_unfinished_bytes(data: bytes) -> int:
+    """How many bytes at the end of data begin a UTF-8 character without finishing it (0 to 3)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder.decode(data)  # not final: the decoder keeps an unfinished character's bytes back, waiting for the rest
+    return len(decoder.getstate()[0])
 
 
 def _longest_stop_prefix(text: str, stops: tuple[str, ...], max_stop_len: int) -> int:

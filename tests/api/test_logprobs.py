@@ -75,9 +75,9 @@ def test_merge_puts_the_prompt_first():
 
 
 @pytest.mark.parametrize("text", ["Hello world, how are you?", "héllo 你好 🐦 done", "  two  spaces\n\nand lines"])
-def test_offsets_point_into_the_decoded_text(default_tokenizer, text):
+def test_offsets_point_into_the_decoded_text(default_tokenizer, tokenizer, text):
     ids = default_tokenizer.encode(text, add_special_tokens=False)
-    offsets = text_offsets(default_tokenizer, ids, skip_special_tokens=False)
+    offsets = text_offsets(tokenizer, ids, skip_special_tokens=False)
     decoded = default_tokenizer.decode(ids)
     assert decoded == text
     assert offsets[0] == 0 and offsets == sorted(offsets)
@@ -88,7 +88,7 @@ def test_offsets_point_into_the_decoded_text(default_tokenizer, text):
             assert decoded[offset : offset + len(piece)] == piece
 
 
-def test_offsets_can_start_further_on_and_skip_special_tokens(default_tokenizer):
-    ids = [1] + default_tokenizer.encode("Hi there", add_special_tokens=False)  # 1 = <|im_start|>
-    assert text_offsets(default_tokenizer, ids, skip_special_tokens=True, start=10) == [10, 10, 12]
-    assert text_offsets(default_tokenizer, ids, skip_special_tokens=False) == [0, len("<|im_start|>"), len("<|im_start|>Hi")]
+def test_offsets_can_start_further_on_and_skip_special_tokens(tokenizer):
+    ids = [1] + tokenizer.encode("Hi there", add_special_tokens=False)  # 1 = <|im_start|>
+    assert text_offsets(tokenizer, ids, skip_special_tokens=True, start=10) == [10, 10, 12]
+    assert text_offsets(tokenizer, ids, skip_special_tokens=False) == [0, len("<|im_start|>"), len("<|im_start|>Hi")]

@@ -143,6 +143,20 @@ def test_logit_bias_forces_a_token(client, model, live_server):
     assert response.choices[0].message.content == " Paris Paris Paris"
 
 
+def test_a_reply_that_max_tokens_cuts_inside_an_emoji_leaves_it_out_streamed_or_not(client, model, live_server):
+    # The first token of " 😀" holds a space and three of the emoji's four bytes; max_tokens ends the reply there.
+    cut = httpx.post(f"{live_server}/tokenize", json={"prompt": " 😀", "add_special_tokens": False}).json()["tokens"][0]
+    options = {"max_tokens": 1, "logit_bias": {str(cut): 100}}
+    whole = ask(client, model, logprobs=True, **options)
+    chunks = list(ask(client, model, stream=True, stream_options={"include_usage": True}, **options))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert whole.choices[0].message.content == streamed == " "  # no U+FFFD for the emoji never finished
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == 1
+    assert [bytes(e.bytes) for e in whole.choices[0].logprobs.content] == [" 😀".encode()[:4]]
+    completion = client.completions.create(model=model, prompt=PROMPT, **options)
+    assert (completion.choices[0].text, completion.choices[0].finish_reason) == (" ", "length")
+
+
 def test_penalties_user_and_repetition_penalty_are_accepted(client, model):
     response = ask(
         client, model, max_tokens=6, presence_penalty=1.5, frequency_penalty=1.5, user="user-1",
@@ -267,7 +281,7 @@ def test_completion_prompts_as_strings_token_ids_and_batches(client, model, live
     assert batch.usage.prompt_tokens == 5 + counting
 
 
-def test_echo_with_logprobs_returns_the_prompt_and_offsets_into_the_text(client, model):
+def test_echo_with_logprobs_returns_the_prompt_and_offsets_from_its_start(client, model):
     response = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=2)
     choice = response.choices[0]
     assert choice.text == PROMPT + " Paris."
@@ -280,6 +294,10 @@ def test_echo_with_logprobs_returns_the_prompt_and_offsets_into_the_text(client,
             assert logprob <= 0 and 2 <= len(top) <= 3 and top[token] == logprob
     generated = logprobs.token_logprobs[-2:]
     assert all(lp == max(top.values()) for lp, top in zip(generated, logprobs.top_logprobs[-2:]))  # greedy
+    # Without the echo the offsets still count from the prompt's start, as OpenAI's do.
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=2).choices[0]
+    assert plain.text == " Paris." and plain.logprobs.tokens == [" Paris", "."]
+    assert plain.logprobs.text_offset == logprobs.text_offset[-2:] == [len(PROMPT), len(PROMPT + " Paris")]
 
 
 def test_streamed_completion_matches_the_whole_one(client, model):

