@@ -1,7 +1,9 @@
-"""Chat tab: multi-turn streaming chat with a system prompt, sampling controls, Stop / Retry / Clear and a view of
-each token's probability. Handlers take the EngineHandle first; build_chat_tab binds it."""
+"""Chat tab: multi-turn streaming chat with a system prompt, sampling controls, an optional JSON schema for the
+reply, Stop / Retry / Clear and a view of each token's probability. Handlers take the EngineHandle first;
+build_chat_tab binds it."""
 from __future__ import annotations
 
+import asyncio
 from functools import partial
 
 import gradio as gr
@@ -9,10 +11,12 @@ import gradio as gr
 from engine import FINISH_ABORT, EngineError, EngineHandle
 from ui.feedback import not_ready_message, ready_engine, report_error
 from ui.sampling import SamplingControls, build_sampling_controls, sampling_params
+from ui.schema import STREAMING, check_reply, compile_schema, render_json_reply
 from ui.tokens import LEGEND_HTML, render_tokens_html, token_views
 
-# History: a list of turns {"role": "user" | "assistant", "content": str, "tokens": list[TokenView] | None}.
-# The chatbot shows a rendering of it; the prompt is built from it, never from the rendered HTML.
+# History: a list of turns {"role": "user" | "assistant", "content": str, "tokens": list[TokenView] | None}; an
+# assistant turn made under a JSON schema also has "json_check": JsonCheck (ui/schema.py). "content" is always the
+# raw text: the chatbot shows a rendering of it; the prompt is built from it, never from the rendered HTML.
 
 
 def add_user_message(message: str, history: list[dict], show_probs: bool) -> tuple:
@@ -34,8 +38,10 @@ async def generate_reply(
     max_tokens: int,
     seed: str | None,
     stop: str,
+    schema_text: str = "",
 ):
     """Stream the assistant's answer to the last user turn. Yields (chatbot, history, notice) as tokens arrive.
+    With a JSON schema the reply is held to it, then shown indented with whether it validated.
 
     Stop, closing the tab and Gradio's cancellation all end this generator early; `finally` then aborts the
     request so the engine frees its KV blocks."""
@@ -47,13 +53,18 @@ async def generate_reply(
         yield render_chatbot(history, show_probs), history, f"\u26a0\ufe0f {not_ready_message(handle)}"
         return
     try:
-        params = sampling_params(temperature, top_p, top_k, max_tokens, seed, stop)
+        # Off the event loop: compiling a schema must not hold up the other users' streams.
+        schema = await asyncio.to_thread(compile_schema, engine, schema_text)
+        params = sampling_params(temperature, top_p, top_k, max_tokens, seed, stop,
+                                 grammar=schema.grammar if schema else None)
         prompt = engine.tokenizer.render_chat(build_messages(history, system_prompt))
         stream = engine.submit(engine.tokenizer.encode(prompt, add_special_tokens=False), params)
     except EngineError as exc:
         yield render_chatbot(history, show_probs), history, report_error(exc)
         return
     reply = {"role": "assistant", "content": "", "tokens": []}
+    if schema:
+        reply["json_check"] = STREAMING
     history = [*history, reply]
     notice = ""
     try:
@@ -64,6 +75,8 @@ async def generate_reply(
                 notice = f"The reply stopped at the limit of {params.max_tokens} new tokens (see Sampling settings)."
             elif out.finish_reason == FINISH_ABORT:
                 notice = "\u26a0\ufe0f The server is shutting down: the reply was cut short."
+            if schema and out.finish_reason:
+                reply["json_check"] = check_reply(reply["content"], schema.schema, out.finish_reason, params.max_tokens)
             yield render_chatbot(history, show_probs), history, notice
     except Exception as exc:  # a failure delivered mid-stream; the conversation so far stays usable
         yield render_chatbot(history, show_probs), history, report_error(exc)
@@ -91,12 +104,17 @@ def build_messages(history: list[dict], system_prompt: str) -> list[dict]:
 
 
 def render_chatbot(history: list[dict], show_probs: bool) -> list[dict]:
-    """History -> chatbot messages; with show_probs, assistant turns become coloured tokens."""
+    """History -> chatbot messages; with show_probs, assistant turns become coloured tokens; a reply made under a
+    JSON schema becomes a JSON code block (or its coloured tokens) and a line saying whether it validated."""
     messages = []
     for turn in history:
-        content = turn["content"]
+        content, check = turn["content"], turn.get("json_check")
         if show_probs and turn.get("tokens"):
             content = render_tokens_html(turn["tokens"], legend=False)
+            if check is not None and check.mark:  # a blank line ends the HTML block: the mark is Markdown again
+                content = f"{content}\n\n{check.mark}"
+        elif check is not None:
+            content = render_json_reply(content, check)
         messages.append({"role": turn["role"], "content": content})
     return messages
 
@@ -131,8 +149,15 @@ def build_chat_tab(handle: EngineHandle) -> None:
             show_probs = gr.Checkbox(label="Show token probabilities", elem_id="chat-show-probs",
                                      info="colour each generated token by how likely the model found it")
             controls: SamplingControls = build_sampling_controls("chat", default_max_tokens=256)
+            with gr.Accordion("JSON output", open=False, elem_id="chat-json"):
+                schema_box = gr.Textbox(
+                    label="JSON schema", lines=4, max_lines=16, elem_id="chat-schema",
+                    placeholder='{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}',
+                    info="the reply is held to this JSON Schema, then shown indented and validated; "
+                         "blank = free text. Asking for JSON in the message helps the model fill it in well.",
+                )
 
-    reply_inputs = [history, system_prompt, show_probs, *controls.inputs]
+    reply_inputs = [history, system_prompt, show_probs, *controls.inputs, schema_box]
     reply_outputs = [chatbot, history, notice]
     reply = partial(generate_reply, handle)
     send_events = [

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from engine import InvalidRequestError, SamplingParams
+from engine.grammar import Grammar
 
 MAX_TOKENS_LIMIT = 4096  # the slider's top; the engine still refuses prompt + max tokens beyond the context
 NUM_TOP_ALTERNATIVES = 5  # alternatives shown per token in the probability views
@@ -69,8 +70,10 @@ def sampling_params(
     seed: str | int | None,
     stop: str,
     logprobs: int | None = NUM_TOP_ALTERNATIVES,
+    grammar: Grammar | None = None,
 ) -> SamplingParams:
-    """Control values -> SamplingParams; raises InvalidRequestError for values the engine refuses."""
+    """Control values -> SamplingParams; raises InvalidRequestError for values the engine refuses. `grammar` holds
+    the reply to a JSON schema (the Chat tab compiles it: ui/schema.py)."""
     return SamplingParams(
         temperature=float(temperature),
         top_p=float(top_p),
@@ -79,6 +82,7 @@ def sampling_params(
         seed=parse_seed(seed),
         stop=parse_stop_sequences(stop),
         logprobs=logprobs,
+        grammar=grammar,
     )
 
 

@@ -1,10 +1,13 @@
 """The Gradio UI in a real browser (Debian's chromium via Playwright) against the real server: chat streaming,
-Stop, token probabilities, scoring, and screenshots of every tab under test-artifacts/ (laptop and phone widths)."""
+Stop, token probabilities, a JSON schema for the reply, scoring, and screenshots of every tab under test-artifacts/
+(laptop and phone widths)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 
+import jsonschema
 import pytest
 
 from conftest import ARTIFACTS
@@ -179,3 +182,28 @@ def test_phone_width_keeps_the_chat_usable(page):
         screenshot(page, "phone-score")
     finally:
         page.set_viewport_size(LAPTOP)
+
+
+def test_chat_json_schema_gives_an_indented_validated_reply(page):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string", "maxLength": 30}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    open_tab(page, "Chat")
+    page.click("#chat-clear")
+    page.wait_for_function("() => !document.querySelector('#chat-log [data-testid=bot]')")
+    page.locator("#chat-json").click()  # the collapsed "JSON output" panel
+    page.fill("#chat-schema textarea", json.dumps(schema, indent=2))
+    page.fill("#chat-input textarea", "What is the capital of France? Answer in JSON.")
+    page.click("#chat-send")
+    wait_for_reply(page, "Valid JSON")
+    bubble = page.locator("#chat-log [data-testid=bot]").last
+    code = bubble.locator("pre code").inner_text().strip()
+    value = json.loads(code)
+    jsonschema.validate(value, schema)
+    assert code == json.dumps(value, indent=2)  # shown indented, whatever whitespace the model wrote
+    assert bubble.get_by_text("\u2713 Valid JSON: it matches the schema.").is_visible()
+    screenshot(page, "chat-json-schema")
+    page.fill("#chat-schema textarea", "")  # back to free text for whatever runs next

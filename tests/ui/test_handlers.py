@@ -1,11 +1,14 @@
 """The UI's event handlers called directly, over the real default model (or tiny engines): the wiring of every
-control, Stop/Retry/Clear, errors shown as messages, the Score, Complete and Server tabs."""
+control, Stop/Retry/Clear, a JSON schema for the reply, errors shown as messages, the Score, Complete and Server
+tabs."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import gradio as gr
+import jsonschema
 import pytest
 
 from engine import EngineHandle, SamplingParams
@@ -16,7 +19,26 @@ from ui.server import describe_model, live_stats, model_facts, openai_snippet
 
 pytestmark = pytest.mark.slow
 
-GREEDY = dict(system_prompt="", show_probs=False, temperature=0.0, top_p=1.0, top_k=0, max_tokens=24, seed="", stop="")
+GREEDY = dict(system_prompt="", show_probs=False, temperature=0.0, top_p=1.0, top_k=0, max_tokens=24, seed="", stop="",
+              schema_text="")
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string", "maxLength": 30}},
+    "required": ["city", "country"],
+    "additionalProperties": False,
+}
+# Bounded everywhere, so that a random model cannot write forever inside it.
+ANIMAL = {
+    "type": "object",
+    "properties": {
+        "kind": {"enum": ["bird", "fish", "mammal"]},
+        "count": {"type": "integer", "minimum": 1, "maximum": 99},
+        "name": {"type": "string", "minLength": 2, "maxLength": 8},
+    },
+    "required": ["kind", "count", "name"],
+    "additionalProperties": False,
+}
+VALID_MARK = "\u2713 Valid JSON"
 
 
 @pytest.fixture(scope="module")
@@ -293,3 +315,83 @@ def test_two_users_generate_at_the_same_time(handle):
 
     assert asyncio.run(two_users()) == ["The capital of France is Paris."] * 2
     assert max(seen_running) == 2
+
+
+# A JSON schema for the reply.
+def test_a_json_schema_holds_the_reply_and_it_shows_indented_and_validated(handle):
+    _, history, _, _ = add_user_message("What is the capital of France? Answer in JSON.", [], False)
+    args = {**GREEDY, "max_tokens": 64, "schema_text": json.dumps(CITY)}
+    outputs = collect(generate_reply(handle, history, *args.values()))
+    chatbot, history, notice = outputs[-1]
+    raw = reply_of(history)
+    value = json.loads(raw)
+    jsonschema.validate(value, CITY)
+    assert value["city"] == "Paris" and notice == ""
+    shown = chatbot[-1]["content"]
+    assert shown.startswith(f"```json\n{json.dumps(value, indent=2)}\n```") and VALID_MARK in shown
+    # While streaming: the raw text so far, in a code block, and no mark yet.
+    streamed = [out[0][-1]["content"] for out in outputs[:-1]]
+    assert len(streamed) > 3 and all(s.startswith("```json\n") and VALID_MARK not in s for s in streamed)
+    # The next turn's prompt holds the raw reply, not the rendered block.
+    assert build_messages(history, "")[-1] == {"role": "assistant", "content": raw}
+    # The token view still works: every token coloured, their text the raw reply, and the mark under them.
+    coloured = render_chatbot(history, True)[-1]["content"]
+    assert "".join(t.text for t in history[-1]["tokens"]) == raw
+    assert coloured.count('class="tern-token"') == len(history[-1]["tokens"]) and VALID_MARK in coloured
+
+
+@pytest.mark.parametrize("seed", ["1", "2", "3"])
+def test_a_random_model_under_a_schema_writes_valid_json(tiny_engine_factory, seed):
+    """The grammar, not the weights, makes the JSON valid: random weights, sampled, still give it."""
+    engine, _ = tiny_engine_factory()
+    tiny = EngineHandle()
+    tiny.set_engine(engine)
+    chatbot, history, _ = ask(tiny, "Describe an animal.", temperature=1.0, seed=seed, max_tokens=400,
+                              schema_text=json.dumps(ANIMAL))
+    jsonschema.validate(json.loads(reply_of(history)), ANIMAL)
+    assert VALID_MARK in chatbot[-1]["content"]
+
+
+@pytest.mark.parametrize(
+    ("schema_text", "message"),
+    [
+        ('{"type": "object", ', "The JSON schema is not valid JSON"),
+        ('["city", "country"]', "must be a JSON object"),
+        ('{"type": "strin"}', "not a valid JSON Schema: 'strin' is not valid"),
+        # Valid JSON Schema, but no value satisfies it: the engine refuses to compile it.
+        ('{"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["n"]}',
+         "cannot be held to this schema: Unsatisfiable schema"),
+    ],
+    ids=["not-json", "not-an-object", "not-a-schema", "unsatisfiable"],
+)
+def test_a_bad_schema_is_a_message_and_nothing_is_generated(handle, schema_text, message):
+    _, history, _, _ = add_user_message("What is the capital of France?", [], False)
+    generated_before = handle.engine.stats().num_generated_tokens
+    with pytest.warns(UserWarning, match=message.split(":")[0]):
+        outputs = collect(generate_reply(handle, history, *{**GREEDY, "schema_text": schema_text}.values()))
+    (chatbot, kept, notice), = outputs
+    assert notice.startswith("\u26a0\ufe0f") and message in notice
+    assert kept == history and len(chatbot) == 1  # nothing half-made was added
+    assert handle.engine.stats().num_generated_tokens == generated_before
+    # The conversation stays usable: with the schema cleared, the same turn gets its answer.
+    assert reply_of(chat(handle, kept)[1]) == "The capital of France is Paris."
+
+
+def test_a_blank_schema_is_free_text_as_before(handle):
+    for blank in ("", "  \n "):
+        chatbot, history, _ = ask(handle, "What is the capital of France?", schema_text=blank)
+        assert reply_of(history) == "The capital of France is Paris."
+        assert chatbot[-1] == {"role": "assistant", "content": "The capital of France is Paris."}
+
+
+def test_a_schema_reply_cut_by_max_tokens_says_it_is_not_valid_json(handle):
+    chatbot, history, notice = ask(handle, "What is the capital of France? Answer in JSON.", max_tokens=5,
+                                   schema_text=json.dumps(CITY))
+    raw = reply_of(history)
+    assert len(history[-1]["tokens"]) == 5 and raw.startswith("{")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(raw)
+    shown = chatbot[-1]["content"]
+    assert shown.startswith(f"```json\n{raw}\n```")  # the raw text, not indented: it is not JSON
+    assert "Not valid JSON: the reply stopped at the limit of 5 new tokens" in shown and VALID_MARK not in shown
+    assert "limit of 5 new tokens" in notice
