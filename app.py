@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from api.limits import DEFAULT_MAX_BODY_SIZE_BYTES
+from api.responses_store import DEFAULT_MAX_STORED_RESPONSES
 from api.shutdown import DEFAULT_DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S, DrainingServer
 from engine import Engine, EngineConfig, EngineHandle, ModelLoadError
 from engine.config import DTYPES, DEVICES, QUANTIZATIONS
@@ -31,6 +32,7 @@ class ServerSettings:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # on SIGTERM/SIGINT, how long running requests may finish
     max_body_size_bytes: int = DEFAULT_MAX_BODY_SIZE_BYTES
     cors_origins: tuple[str, ...] = ()  # none: no CORS headers
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES  # the Responses API's in-memory store
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineConfig, bool]:
@@ -135,6 +137,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         help="comma-separated origins (or *) whose web pages may call /v1 and the tokenizer routes; default none "
         "(TERN_CORS_ORIGINS)",
     )
+    parser.add_argument(
+        "--responses-store-size",
+        type=_positive_int,
+        default=int(env("TERN_RESPONSES_STORE_SIZE", str(DEFAULT_MAX_STORED_RESPONSES))),
+        metavar="N",
+        help="responses kept in memory for GET /v1/responses/{id} and previous_response_id; the least recently used "
+        "is dropped beyond N (default %(default)d; TERN_RESPONSES_STORE_SIZE)",
+    )
     parser.add_argument("--cache-dir", default=env("TERN_CACHE"), help="converted models and built CPU kernels, default ~/.cache/tern (TERN_CACHE)")
     parser.add_argument("--log-level", default=env("TERN_LOG_LEVEL", "info"), help="(TERN_LOG_LEVEL)")
     parser.add_argument(
@@ -150,6 +160,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         drain_timeout_s=args.drain_timeout,
         max_body_size_bytes=args.max_body_size,
         cors_origins=tuple(origin.strip() for origin in args.cors_origins.split(",") if origin.strip()),
+        max_stored_responses=args.responses_store_size,
     )
     engine_config = EngineConfig(
         model=args.model,
@@ -199,7 +210,7 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
     app.add_middleware(RequestIDMiddleware)  # every response, the UI's too, carries X-Request-ID
     if server.cors_origins:
         app.add_middleware(APICORSMiddleware, origins=list(server.cors_origins))
-    app.include_router(build_router(handle, api_key=server.api_key))
+    app.include_router(build_router(handle, api_key=server.api_key, max_stored_responses=server.max_stored_responses))
     # Mounted last: a mount at "/" catches every path not matched above. With an API key the UI asks for it too:
     # Gradio's own HTTP API (what gradio_client calls) runs the model as /v1 does.
     login = key_login(server.api_key) if server.api_key else None

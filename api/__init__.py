@@ -6,11 +6,12 @@ from fastapi.routing import APIRoute
 
 from engine import EngineHandle
 
-from api import chat, completions, models, scoring, tokenize
+from api import chat, completions, models, responses, scoring, tokenize
 from api.auth import bearer_scheme
 from api.cors import APICORSMiddleware
 from api.errors import OpenAIError, install_error_handlers
 from api.limits import BodySizeLimitMiddleware
+from api.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from api.server import RequestIDMiddleware, Server
 
 __all__ = ["APICORSMiddleware", "BodySizeLimitMiddleware", "RequestIDMiddleware", "build_router", "install_error_handlers"]
@@ -18,15 +19,18 @@ __all__ = ["APICORSMiddleware", "BodySizeLimitMiddleware", "RequestIDMiddleware"
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS", "TRACE", "QUERY"]  # QUERY: the HTTP draft
 
 
-def build_router(handle: EngineHandle, api_key: str | None = None) -> APIRouter:
+def build_router(handle: EngineHandle, api_key: str | None = None,
+                 max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> APIRouter:
     """All API routes over one engine handle. With api_key, every route that runs the model or its tokenizer needs
-    `Authorization: Bearer <key>`; /health, /ready and /metrics (api.server.OPEN_PATHS) stay open for probes."""
+    `Authorization: Bearer <key>`; /health, /ready and /metrics (api.server.OPEN_PATHS) stay open for probes.
+    max_stored_responses bounds the Responses API's store (api/responses_store.py)."""
     server = Server(handle, api_key)
     route_class = server.route_class()
     # The bearer dependency only documents the key in /openapi.json; the route class checks it.
     v1 = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)] if server.api_key else None)
     chat.add_routes(v1, server)
     completions.add_routes(v1, server)
+    responses.add_routes(v1, server, ResponseStore(max_stored_responses))
     scoring.add_routes(v1, server)
     models.add_routes(v1, server)
     _answer_every_method(v1)

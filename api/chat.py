@@ -8,14 +8,15 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from engine import Engine, EngineError
+from engine import Engine, EngineError, SamplingParams
 
+from api import tools as tool_calls
 from api.errors import OpenAIError
 from api.generation import Generation, Sample, until_disconnected
 from api.logprobs import chat_logprobs, visible_logprobs
 from api.protocol import ChatCompletionRequest, ChatMessage, template_messages
-from api.response_format import grammar_for
-from api.responses import ChatChoice, ChatCompletion, ChatCompletionChunk, ChatMessageOut, streamed
+from api.response_format import AnswerFormat, chat_format, grammar_for
+from api.bodies import ChatChoice, ChatCompletion, ChatCompletionChunk, ChatMessageOut, streamed
 from api.server import Server
 from api.sse import event_stream
 
@@ -30,57 +31,96 @@ def add_routes(router: APIRouter, server: Server) -> None:
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         engine = server.engine(body.model)
         params = body.to_sampling_params()
-        prompt_ids = prompt_ids_for(engine, body.messages)
-        params = dataclasses.replace(params, grammar=await grammar_for(engine, body.response_format))
+        tools = chat_tools(body)
+        messages = template_messages(body.messages)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        try:
-            generation = Generation(engine, [prompt_ids], params, response_id, server.metrics, request.state.request_id)
-        except EngineError as exc:
-            if exc.param == "prompt":  # the engine saw a prompt; the client sent messages
-                exc.param = "messages"
-            raise
+        generation = await start_chat(server, engine, messages, params, tools, chat_format(body.response_format),
+                                      response_id, request)
         head = {"id": response_id, "created": int(time.time()), "model": server.model_name}
         if body.stream:
-            return event_stream(_chunks(generation, head, body, engine))
+            return event_stream(_chunks(generation, head, body, engine, tools))
         samples = await until_disconnected(request, generation.collect())
-        choices = [_choice(sample, bool(body.logprobs), engine) for sample in samples]
+        choices = [_choice(sample, bool(body.logprobs), engine, tools) for sample in samples]
         return ChatCompletion(**head, choices=choices, usage=generation.usage())
 
 
-def chat_text(engine: Engine, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-    """Chat messages rendered through the model's chat template."""
-    rendered = template_messages(messages)
+async def start_chat(server: Server, engine: Engine, messages: list[dict], params: SamplingParams,
+                     tools: tool_calls.Tools, answer: AnswerFormat, response_id: str, request: Request) -> Generation:
+    """A chat's generation, submitted: the prompt rendered with the tools it may call, the reply's grammar compiled.
+    Chat and the Responses API both start here."""
+    prompt_ids = prompt_ids_for(engine, messages, tools)
+    params = dataclasses.replace(params, grammar=await grammar_for(engine, answer, tools))
     try:
-        return engine.tokenizer.render_chat(rendered, add_generation_prompt)
+        return Generation(engine, [prompt_ids], params, response_id, server.metrics, request.state.request_id)
+    except EngineError as exc:
+        if exc.param == "prompt":  # the engine saw a prompt; the client sent messages
+            exc.param = "messages"
+        raise
+
+
+def chat_tools(body: ChatCompletionRequest) -> tool_calls.Tools:
+    definitions = [(t.function.name, t.function.description, t.function.parameters) for t in body.tools or []]
+    for i, tool in enumerate(body.tools or []):
+        if tool.type != "function":
+            message = f"tools of type {tool.type!r} are not supported; only \"function\""
+            raise OpenAIError(400, message, param=f"tools[{i}].type", code="unsupported_parameter")
+    choice, name = body.tool_choice, None
+    if choice is not None and not isinstance(choice, str):
+        if choice.type != "function":
+            raise OpenAIError(400, f"tool_choice of type {choice.type!r} is not supported", param="tool_choice")
+        choice, name = "function", choice.function.name
+    return tool_calls.resolve(definitions, choice, name, body.parallel_tool_calls)
+
+
+def chat_text(engine: Engine, messages: list[ChatMessage] | list[dict], add_generation_prompt: bool = True,
+              tools: tool_calls.Tools = tool_calls.NO_TOOLS) -> str:
+    """Chat messages rendered through the model's chat template."""
+    rendered = messages if not messages or isinstance(messages[0], dict) else template_messages(messages)
+    try:
+        return engine.tokenizer.render_chat(rendered, add_generation_prompt, tools.functions)
     except EngineError:
         raise
     except Exception as exc:  # the template refused these messages (e.g. "roles must alternate") or choked on them
         raise OpenAIError(400, f"The chat template could not render these messages: {exc}", param="messages") from exc
 
 
-def prompt_ids_for(engine: Engine, messages: list[ChatMessage]) -> list[int]:
+def prompt_ids_for(engine: Engine, messages: list[ChatMessage] | list[dict],
+                   tools: tool_calls.Tools = tool_calls.NO_TOOLS) -> list[int]:
     # The rendered template already holds the special tokens (BOS included): adding them again would double them.
-    return engine.tokenizer.encode(chat_text(engine, messages), add_special_tokens=False)
+    return engine.tokenizer.encode(chat_text(engine, messages, tools=tools), add_special_tokens=False)
 
 
-def _choice(sample: Sample, want_logprobs: bool, engine: Engine) -> ChatChoice:
+def _choice(sample: Sample, want_logprobs: bool, engine: Engine, tools: tool_calls.Tools) -> ChatChoice:
     logprobs = None
     if want_logprobs:
         entries = visible_logprobs(sample.logprobs, sample.finish_reason, sample.stop_reason)
         logprobs = {"content": chat_logprobs(entries, engine.tokenizer), "refusal": None}
+    content, calls = sample.text, None
+    if tools.parses_calls:
+        reply = tool_calls.ReplySplitter()
+        reply.feed(sample.text)
+        reply.finish()
+        content = reply.text or (None if reply.calls else "")
+        calls = [_tool_call(call) for call in reply.calls] or None
     return ChatChoice(
         index=sample.index,
-        message=ChatMessageOut(content=sample.text),
+        message=ChatMessageOut(content=content, tool_calls=calls),
         logprobs=logprobs,
-        finish_reason=sample.finish_reason,
+        finish_reason=tool_calls.finish_reason(sample.finish_reason, bool(calls)),
     )
 
 
-async def _chunks(generation: Generation, head: dict, body: ChatCompletionRequest, engine: Engine) -> AsyncIterator[dict]:
-    """OpenAI's sequence per choice: a role delta, content deltas, an empty delta with finish_reason; then the
-    usage chunk (choices: []) when asked for, with usage null on every other chunk."""
+def _tool_call(call: tool_calls.CallOut) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+async def _chunks(generation: Generation, head: dict, body: ChatCompletionRequest, engine: Engine,
+                  tools: tool_calls.Tools) -> AsyncIterator[dict]:
+    """OpenAI's sequence per choice: a role delta, content (or tool-call) deltas, an empty delta with
+    finish_reason; then the usage chunk (choices: []) when asked for, with usage null on every other chunk."""
     base = {**head, "object": "chat.completion.chunk"}
     usage = {"usage": None} if body.include_usage else {}
+    replies = {s.index: tool_calls.ReplySplitter() for s in generation.samples} if tools.parses_calls else {}
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -95,11 +135,38 @@ async def _chunks(generation: Generation, head: dict, body: ChatCompletionReques
                 entries = visible_logprobs(out.logprobs or [], out.finish_reason, out.stop_reason)
                 if entries:
                     logprobs = {"content": chat_logprobs(entries, engine.tokenizer), "refusal": None}
-            if out.text or logprobs:
-                yield chunk(sample.index, {"content": out.text}, logprobs=logprobs)
+            delta = {"content": out.text} if out.text else {}
+            reply = replies.get(sample.index)
+            if reply is not None:
+                delta = _reply_delta(reply, out.text, out.finish_reason is not None)
+            if delta or logprobs:
+                yield chunk(sample.index, delta or {"content": ""}, logprobs=logprobs)
             if out.finish_reason is not None:
-                yield chunk(sample.index, {}, out.finish_reason)
+                has_calls = reply is not None and bool(reply.calls)
+                yield chunk(sample.index, {}, tool_calls.finish_reason(out.finish_reason, has_calls))
         if body.include_usage:
             yield {**base, "choices": [], "usage": generation.usage()}
     finally:
         generation.abort()  # a client gone before the first output never entered outputs()
+
+
+def _reply_delta(reply: tool_calls.ReplySplitter, text: str, is_last: bool) -> dict:
+    """A chunk's delta from one engine output: its content, and its tool calls in OpenAI's stream shape (index, id,
+    type and name on a call's first delta, argument fragments after)."""
+    content, calls = reply.feed(text)
+    if is_last:
+        more_content, more_calls = reply.finish()
+        content, calls = content + more_content, calls + more_calls
+    delta: dict = {"content": content} if content else {}
+    call_deltas = []
+    for call, news in calls:
+        if news.name is not None:
+            function = {"name": call.name, "arguments": news.arguments}
+            call_deltas.append({"index": news.index, "id": call.id, "type": "function", "function": function})
+        elif call_deltas and call_deltas[-1]["index"] == news.index:  # one delta per call per chunk
+            call_deltas[-1]["function"]["arguments"] += news.arguments
+        else:
+            call_deltas.append({"index": news.index, "function": {"arguments": news.arguments}})
+    if call_deltas:
+        delta["tool_calls"] = call_deltas
+    return delta

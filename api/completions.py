@@ -14,8 +14,8 @@ from engine import Engine, RequestOutput
 from api.generation import Generation, Sample, until_disconnected
 from api.logprobs import completion_logprobs, merge_logprobs, text_offsets
 from api.protocol import CompletionRequest
-from api.response_format import grammar_for
-from api.responses import CompletionChoice, TextCompletion, streamed
+from api.response_format import chat_format, grammar_for
+from api.bodies import CompletionChoice, TextCompletion, streamed
 from api.server import Server
 from api.sse import event_stream
 
@@ -33,7 +33,7 @@ def add_routes(router: APIRouter, server: Server) -> None:
         prompts = body.prompts()
         # Text is tokenized as the engine would (with the tokenizer's special tokens); token ids are used as given.
         prompt_ids = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-        params = dataclasses.replace(params, grammar=await grammar_for(engine, body.response_format))
+        params = dataclasses.replace(params, grammar=await grammar_for(engine, chat_format(body.response_format)))
         response_id = f"cmpl-{uuid.uuid4().hex}"
         generation = Generation(engine, prompt_ids, params, response_id, server.metrics, request.state.request_id)
         choices = _Choices(body, prompts, generation, engine)

@@ -61,6 +61,8 @@ class _EngineCollector:
         yield GaugeMetricFamily("tern_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", value=stats.kv_cache_usage)
         yield GaugeMetricFamily("tern_kv_cache_blocks_used", "KV-cache blocks in use", value=stats.num_kv_blocks_used)
         yield GaugeMetricFamily("tern_kv_cache_blocks_free", "KV-cache blocks free", value=stats.num_kv_blocks_free)
+        yield GaugeMetricFamily("tern_kv_cache_blocks_reserved", "KV-cache blocks the engine holds for itself (the "
+                                "compiled decode step's warm-up, while it runs)", value=stats.num_kv_blocks_reserved)
         yield GaugeMetricFamily("tern_generation_tokens_per_second", "Over the last 5 s", value=stats.tokens_per_s)
         yield CounterMetricFamily("tern_preemptions", "Sequences preempted for KV space", value=stats.num_preemptions)
         yield CounterMetricFamily("tern_engine_steps", "Model steps run, for the API and the UI", value=stats.num_steps)

@@ -5,7 +5,7 @@ from fastapi import APIRouter, Response
 
 from api.errors import OpenAIError, shutting_down
 from api.metrics import CONTENT_TYPE
-from api.responses import ERRORS, ModelCard, ModelList
+from api.bodies import ERRORS, ModelCard, ModelList
 from api.server import Server
 
 

@@ -99,11 +99,44 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str = Field(description="The arguments as JSON text, as the model wrote them.")
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant's calls, sent back as history.")
+    tool_call_id: str | None = Field(None, description="On a `tool` message: the call it answers.")
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(description="a-z, A-Z, 0-9, _ and -, at most 64 characters.")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="JSON Schema of the arguments object; absent: none.")
+    strict: bool | None = Field(None, description="Accepted; the arguments are held to the schema either way.")
+
+
+class ChatTool(_Body):
+    type: str = Field(description="Only \"function\" is supported.")
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: str = Field(description="\"function\"")
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -116,13 +149,15 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="Default: up to the end of the context.")
     logprobs: bool | None = Field(False, description="Return each output token's logprob.")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Alternatives per token, 0 to 20.")
-    tools: list[dict[str, Any]] | None = Field(None, description="Not supported: must be absent or empty.")
+    tools: list[ChatTool] | None = Field(None, description="Functions the model may call (api/tools.py).")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default: \"auto\" with tools, else \"none\". \"required\" and a named function hold the "
+        "reply to valid calls by a grammar.")
+    parallel_tool_calls: bool | None = Field(None, description="Default true: more than one call in a reply.")
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        if self.tools:
-            raise OpenAIError(400, "tools are not supported by this server", param="tools", code="unsupported_parameter")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
@@ -170,15 +205,23 @@ class CompletionRequest(SamplingRequest):
         return list(prompt)
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """The messages as a chat template expects them: text content only; `developer` is a system prompt."""
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the engine renders them (engine/tokens.py render_chat): text content only; `developer` is a
+    system prompt; an assistant's tool_calls and a tool's tool_call_id kept in OpenAI's shape."""
     rendered = []
     for i, message in enumerate(messages):
         role = "system" if message.role == "developer" else message.role
-        entry = {"role": role, "content": _text(message.content, f"messages[{i}].content")}
+        entry: dict[str, Any] = {"role": role, "content": _text(message.content, f"messages[{i}].content")}
         if message.name:
             entry["name"] = message.name
-        if message.tool_call_id:
+        if message.tool_calls:
+            if message.role != "assistant":
+                raise OpenAIError(400, "only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
+            entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        if message.role == "tool":
+            if not message.tool_call_id:
+                message_text = "a tool message needs the tool_call_id of the call it answers"
+                raise OpenAIError(400, message_text, param=f"messages[{i}].tool_call_id")
             entry["tool_call_id"] = message.tool_call_id
         rendered.append(entry)
     return rendered

@@ -1,191 +1,152 @@
-"""Response bodies in OpenAI's shapes, for /openapi.json and for building non-streamed answers."""
+"""The Responses API: POST /v1/responses (one JSON body, or a stream of typed events), GET and DELETE
+/v1/responses/{id}. A response is a chat turn: its input and instructions (and the stored conversation of
+previous_response_id) become chat messages, and it runs on chat's path (api/chat.py start_chat), so sampling,
+grammars, tools, cancellation on disconnect, 429 and the API key behave as they do there."""
 from __future__ import annotations
 
-from typing import Literal
+import json
+import time
+from collections.abc import AsyncIterator
 
-from pydantic import BaseModel, Field
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 
-FinishReason = Literal["stop", "length"]
+from engine import FINISH_ABORT
 
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class TopLogprob(BaseModel):
-    token: str = Field(description="The token as decoded text (a piece of a UTF-8 character decodes to U+FFFD).")
-    logprob: float = Field(description="Of the model's raw distribution; -9999.0 stands for minus infinity.")
-    bytes: list[int] | None = Field(description="The token's exact UTF-8 bytes.")
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob] | None
-    refusal: None = None
+from api import tools as tool_calls
+from api.bodies import ERRORS
+from api.chat import start_chat
+from api.errors import OpenAIError, to_openai_error
+from api.generation import Generation, until_disconnected
+from api.responses_input import (
+    ResponsesRequest, input_messages, output_messages, response_tools, text_format,
+)
+from api.responses_output import OutputBuilder, new_id, response_object, usage
+from api.responses_store import ResponseStore, StoredResponse
+from api.server import Server
+from api.sse import HEADERS
 
 
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    refusal: str | None = None
+def add_routes(router: APIRouter, server: Server, store: ResponseStore) -> None:
+    @router.post("/v1/responses", responses=ERRORS, summary="Create a response")
+    async def create_response(body: ResponsesRequest, request: Request):
+        engine = server.engine(body.model)
+        params = body.to_sampling_params()
+        history: list[dict] = []
+        if body.previous_response_id is not None:
+            history = list(_stored(store, body.previous_response_id, "previous_response_id").messages)
+        new_input = input_messages(body.input)
+        tools = response_tools(body)
+        instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        response_id = new_id("resp")
+        generation = await start_chat(server, engine, instructions + history + new_input, params, tools,
+                                      text_format(body.text), response_id, request)
+        run = _Run(body, generation, history + new_input, server.model_name, store, tools.parses_calls)
+        if body.stream:
+            return StreamingResponse(_framed(run.events()), media_type="text/event-stream", headers=HEADERS)
+        await until_disconnected(request, generation.collect())
+        return JSONResponse(run.finish_whole())
+
+    @router.get("/v1/responses/{response_id}", responses=ERRORS, summary="Get a stored response")
+    async def get_response(response_id: str):
+        return _stored(store, response_id, "response_id").response
+
+    @router.delete("/v1/responses/{response_id}", responses=ERRORS, summary="Delete a stored response")
+    async def delete_response(response_id: str):
+        if not store.delete(response_id):
+            raise _not_found(response_id, "response_id")
+        return {"id": response_id, "object": "response", "deleted": True}
 
 
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None
+class _Run:
+    """One response being generated: its output builder over the one sample's reply, and the object around it."""
+
+    def __init__(self, body: ResponsesRequest, generation: Generation, conversation: list[dict], model: str,
+                 store: ResponseStore, parses_calls: bool) -> None:
+        self.body, self.generation, self.conversation, self.store = body, generation, conversation, store
+        self.response_id = generation.response_id
+        self.created_at = int(time.time())
+        self.model = model
+        self.reply = tool_calls.ReplySplitter()
+        self.parses_calls = parses_calls
+        self.output = OutputBuilder()
+        self.tools = [_tool_echo(t) for t in body.tools or []]
+
+    def response(self, status: str, error: dict | None = None) -> dict:
+        sample = self.generation.samples[0]
+        counts = usage(self.generation.num_prompt_tokens, len(sample.token_ids)) if status != "in_progress" else None
+        return response_object(self.response_id, self.created_at, self.body, status, self.output.items, counts,
+                               self.model, self.tools, error)
+
+    def feed(self, text: str) -> list[dict]:
+        if not self.parses_calls:
+            return self.output.add(text, [])
+        return self.output.add(*self.reply.feed(text))
+
+    def end(self, finish_reason: str | None) -> tuple[list[dict], dict]:
+        """The reply ended: its last events, and the finished response (stored, when the request says store)."""
+        events = self.output.add(*self.reply.finish()) if self.parses_calls else []
+        status = "incomplete" if finish_reason == "length" else "completed"
+        events += self.output.finish(status)
+        response = self.response(status)
+        if self.body.store is not False:
+            messages = tuple(self.conversation + output_messages(response["output"]))
+            self.store.put(StoredResponse(response, messages))
+        return events, response
+
+    def finish_whole(self) -> dict:
+        sample = self.generation.samples[0]
+        self.feed(sample.text)
+        return self.end(sample.finish_reason)[1]
+
+    async def events(self) -> AsyncIterator[dict]:
+        """OpenAI's event sequence: created, in_progress, the items' events, then completed (or incomplete)."""
+        yield {"type": "response.created", "response": self.response("in_progress")}
+        yield {"type": "response.in_progress", "response": self.response("in_progress")}
+        try:
+            async for _, out in self.generation.outputs():
+                for event in self.feed(out.text):
+                    yield event
+                if out.finish_reason == FINISH_ABORT:
+                    error = {"code": "server_error", "message": "the server shut down before this response finished"}
+                    yield {"type": "response.failed", "response": self.response("failed", error)}
+                    return
+                if out.finish_reason is not None:
+                    events, response = self.end(out.finish_reason)
+                    for event in events:
+                        yield event
+                    yield {"type": f"response.{response['status']}", "response": response}
+        except Exception as exc:  # a failed step: the stream says so in its own terms, then ends
+            error = to_openai_error(exc)
+            yield {"type": "response.failed",
+                   "response": self.response("failed", {"code": "server_error", "message": error.message})}
+        finally:
+            self.generation.abort()
 
 
-class ChatCompletion(BaseModel):
-    id: str = Field(description="chatcmpl-...")
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
+async def _framed(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Each event as OpenAI frames them, `event: <type>` then `data: <json>`, numbered from 0; no [DONE]."""
+    number = 0
+    async for event in events:
+        event = {**event, "sequence_number": number}
+        number += 1
+        data = json.dumps(event, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        yield f"event: {event['type']}\ndata: {data}\n\n"
 
 
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+def _tool_echo(tool: dict) -> dict:
+    """A function tool as the response object lists it (OpenAI fills in what the request left out)."""
+    return {"type": "function", "name": tool.get("name"), "description": tool.get("description"),
+            "parameters": tool.get("parameters"), "strict": tool.get("strict", True)}
 
 
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None
+def _stored(store: ResponseStore, response_id: str, param: str) -> StoredResponse:
+    stored = store.get(response_id)
+    if stored is None:
+        raise _not_found(response_id, param)
+    return stored
 
 
-class ChatCompletionChunk(BaseModel):
-    """One `data:` event of a streamed chat completion; every chunk of a stream shares id and created."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = Field(None, description="Only with stream_options.include_usage: null, then set on a "
-                                "last chunk with `choices: []`.")
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float | None] = Field(description="With echo, the first prompt token's is null.")
-    top_logprobs: list[dict[str, float] | None] = Field(
-        description="Token -> logprob for the requested alternatives plus the chosen token; null for the first "
-        "prompt token, which has no context."
-    )
-    text_offset: list[int] = Field(
-        description="Where each token's text begins in the prompt followed by the completion (characters), echoed or not."
-    )
-
-
-class CompletionChoice(BaseModel):
-    index: int = Field(description="prompt_index * n + sample_index")
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishReason | None
-
-
-class TextCompletion(BaseModel):
-    """Also the shape of each streamed event, where `usage` is absent, or with stream_options.include_usage null until
-    a last chunk with `choices: []` (as OpenAI streams it)."""
-
-    id: str = Field(description="cmpl-...")
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = Field(None, description="Always set on a whole answer; in a stream see above.")
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str
-    max_model_len: int = Field(description="Longest prompt + completion, in tokens.")
-    dtype: str = Field(description="Compute dtype, e.g. bfloat16.")
-    quantization: str = Field(description="Weight quantization mode: none, int8, int4, bnb-int8, bnb-nf4 or bnb-fp4 "
-                              "(what --quantization auto chose, when it was auto).")
-    weight_bytes: int = Field(description="Bytes the weights occupy, quantized storage and scales included.")
-    weight_ratio_to_bf16: float = Field(description="weight_bytes over the same weights in bf16.")
-    compiled_decode: bool = Field(description="Whether decode steps run under torch.compile (--compile).")
-    decode_step: str = Field(description="native (Tern's C++ decode step), compiled, compiling (the eager step "
-                             "serves until the compiled one is ready) or eager.")
-    cpu_kernels: str = Field(description="The CPU kernel path and what serves each kind of work, e.g. "
-                             "`avx2 (int8: avx2, int4: avx2, bf16: aten, decode attention: avx2)`.")
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-
-# Every error has this body. "4XX" also keeps FastAPI from documenting its 422, which clients never get.
-ERRORS = {
-    400: {"model": ErrorResponse, "description": "Malformed JSON, a wrong type, an out-of-range value, too long"},
-    401: {"model": ErrorResponse, "description": "Missing or wrong API key (when the server has one)"},
-    404: {"model": ErrorResponse, "description": "Unknown model"},
-    429: {"model": ErrorResponse, "description": "Too many requests waiting; retry after Retry-After seconds"},
-    503: {"model": ErrorResponse, "description": "The model is still loading"},
-    "4XX": {"model": ErrorResponse, "description": "Any other client error"},
-}
-
-
-def streamed(chunk: type[BaseModel]) -> dict:
-    """OpenAPI `responses` entry for a route that also streams: its 200 is JSON, or with stream: true an event stream
-    described as OpenAPI 3.2 does (and FastAPI for its own SSE routes): `itemSchema` is one event, whose `data` is
-    JSON of the chunk's schema, an error in the error body's shape (a failure after the first event), or [DONE]."""
-    description = (f"application/json: the whole answer. With stream: true, text/event-stream: `data: <{chunk.__name__}>` "
-                   "events, an `ErrorResponse` event if the request fails once streaming, then `data: [DONE]`.")
-    json_data = {
-        "type": "string",
-        "contentMediaType": "application/json",
-        "contentSchema": {"anyOf": [_inline(chunk.model_json_schema()), _inline(ErrorResponse.model_json_schema())]},
-    }
-    event = {
-        "type": "object",
-        "required": ["data"],
-        "properties": {
-            "data": {"anyOf": [json_data, {"const": "[DONE]"}]},
-            "event": {"type": "string"},
-            "id": {"type": "string"},
-            "retry": {"type": "integer", "minimum": 0},
-        },
-    }
-    return {200: {"description": description, "content": {"text/event-stream": {"itemSchema": event}}}, **ERRORS}
-
-
-def _inline(schema: dict) -> dict:
-    """Resolve pydantic's local $refs so the schema stands on its own inside an operation."""
-    defs = schema.pop("$defs", {})
-
-    def resolve(node):
-        if isinstance(node, dict):
-            if "$ref" in node:
-                return resolve(defs[node["$ref"].rsplit("/", 1)[-1]])
-            return {key: resolve(value) for key, value in node.items()}
-        if isinstance(node, list):
-            return [resolve(item) for item in node]
-        return node
-
-    return resolve(schema)
+def _not_found(response_id: str, param: str) -> OpenAIError:
+    message = f"No response found with id '{response_id}' (never stored, deleted, or dropped from this server's store)."
+    return OpenAIError(404, message, param=param, code="response_not_found")

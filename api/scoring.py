@@ -11,7 +11,7 @@ from engine import ContinuationScore, Engine, EngineError
 from api.errors import OpenAIError
 from api.generation import until_disconnected
 from api.protocol import MAX_PROMPTS
-from api.responses import ERRORS
+from api.bodies import ERRORS
 from api.server import Server
 
 # The engine's names for the two sides of a pair, and ours.

@@ -11,7 +11,7 @@ from api.errors import to_openai_error
 DONE = "data: [DONE]\n\n"
 
 # Proxies (nginx) buffer responses unless told not to; a buffered stream arrives all at once.
-_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def event(data: dict) -> str:
@@ -31,4 +31,4 @@ async def frame(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
 
 
 def event_stream(chunks: AsyncIterator[dict]) -> StreamingResponse:
-    return StreamingResponse(frame(chunks), media_type="text/event-stream", headers=_HEADERS)
+    return StreamingResponse(frame(chunks), media_type="text/event-stream", headers=HEADERS)

@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.chat import chat_text
 from api.errors import OpenAIError
 from api.protocol import ChatMessage
-from api.responses import ERRORS
+from api.bodies import ERRORS
 from api.server import Server
 
 

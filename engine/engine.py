@@ -44,13 +44,14 @@ logger = logging.getLogger(__name__)
 class EngineStats:
     num_running: int
     num_waiting: int
-    num_kv_blocks_used: int
+    num_kv_blocks_used: int  # by requests (their prompts, outputs and cached prefixes)
     num_kv_blocks_free: int
     num_preemptions: int
     tokens_per_s: float  # generated tokens per second over the last few seconds
     num_prefix_cache_hits: int = 0  # KV blocks reused from the prefix cache since start
     num_steps: int = 0  # model steps run since start, for every caller (the API, the UI, scoring)
     num_generated_tokens: int = 0  # tokens sampled since start, for every caller
+    num_kv_blocks_reserved: int = 0  # held by the engine itself: the compiled decode step's warm-up, while it runs
 
     @property
     def kv_cache_usage(self) -> float:
@@ -134,6 +135,7 @@ class Engine:
         self._compile_state = "eager"  # "compiling" while a background compile runs, then "compiled" or "eager"
         self._compile_done = threading.Event()
         self._warmup_blocks: list[int] = []  # KV blocks a background warm-up holds; freed by the engine thread
+        self._num_reserved_blocks = 0  # the warm-up's, from its start until the engine thread frees them
         self._compile_decode_step()
         self._capture_decode_graphs()
         self.max_num_batched_tokens = self.config.max_num_batched_tokens or batched_tokens_for(
@@ -192,6 +194,7 @@ class Engine:
             return
         forward = compiled.compile_forward(self.loaded.model)
         blocks = self.allocator.allocate(min(compiled.WARMUP_BLOCKS, self.allocator.num_free))
+        self._num_reserved_blocks = len(blocks)
         if self.device.type == "cuda":
             self._compile(forward, blocks)
             self._release_warmup_blocks()
@@ -230,6 +233,7 @@ class Engine:
             blocks, self._warmup_blocks = self._warmup_blocks, []
         if blocks:
             self.allocator.free(blocks)
+            self._num_reserved_blocks = 0
 
     def wait_for_compiled_decode(self, timeout_s: float | None = None) -> bool:
         """Block until compiling the decode step has ended (at once when it never started); True when decode
@@ -385,16 +389,20 @@ class Engine:
         now = time.monotonic()
         recent = [(t, n) for t, n in list(self._recent_tokens) if now - t <= 5.0]
         tokens_per_s = sum(n for _, n in recent) / 5.0 if recent else 0.0
+        # The warm-up's blocks are no request's: a client counting leaked blocks must not see them (minutes on a
+        # small CPU, while the compiled step builds in the background).
+        reserved = self._num_reserved_blocks
         return EngineStats(
             len(self.scheduler.running),
             len(self.scheduler.waiting) + len(self._inbox),
-            self.allocator.num_used,
+            self.allocator.num_used - reserved,
             self.allocator.num_free,
             self.scheduler.num_preemptions,
             tokens_per_s,
             self.allocator.num_cached_hits,
             self._num_steps,
             self._num_generated_tokens,
+            reserved,
         )
 
     # Validation (caller's thread).

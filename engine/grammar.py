@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from engine.errors import GrammarError
+from engine.tool_calls import ToolUse, grammar_source
 
 # JSON compile options (llguidance's JsonCompileOptions); a schema's own "x-guidance" key may override them.
 # Whitespace between tokens as the model likes it, up to 20 characters at a time (see the module docstring).
@@ -120,28 +121,38 @@ class GrammarCompiler:
             raise GrammarError("the schema must be a JSON object")
         return self._cached(f"json_schema {name!r}" if name else "json_schema", schema)
 
+    def tool_calls(self, tool_use: ToolUse, answer_schema: dict | None = None) -> Grammar:
+        """A reply held to tool calls in Tern's format (engine/tool_calls.py): free text or calls (auto), calls
+        only (required), one call of one function (named). GrammarError names a parameters schema that cannot be
+        compiled."""
+        source = grammar_source(tool_use, answer_schema, json_options=_JSON_OPTIONS)
+        return self._cached(f"tools ({tool_use.mode})", source, lark=True)
+
     @property
     def num_cached(self) -> int:
         return len(self._cache)
 
-    def _cached(self, description: str, schema: dict) -> Grammar:
+    def _cached(self, description: str, source: dict | str, lark: bool = False) -> Grammar:
         # Key order is part of the key: properties are generated in the order the schema lists them.
-        key = json.dumps(schema, ensure_ascii=False)
+        key = source if lark else json.dumps(source, ensure_ascii=False)
         with self._lock:
             grammar = self._cache.get(key)
             if grammar is not None:
                 self._cache.move_to_end(key)
                 return grammar
-        grammar = Grammar(description, self._compile(schema))
+        grammar = Grammar(description, self._compile(source, lark))
         with self._lock:
             self._cache[key] = grammar
             while len(self._cache) > self._max_cached:
                 self._cache.popitem(last=False)
         return grammar
 
-    def _compile(self, schema: dict) -> llguidance.LLMatcher:
+    def _compile(self, source: dict | str, lark: bool) -> llguidance.LLMatcher:
         try:
-            source = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+            if lark:
+                source = llguidance.LLMatcher.grammar_from_lark(source)
+            else:
+                source = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=_JSON_OPTIONS)
         except ValueError as exc:
             raise GrammarError(_short(str(exc))) from None
         matcher = llguidance.LLMatcher(self._tokenizer(), source, log_level=0)

@@ -1,9 +1,11 @@
 """Tokenizer-facing helpers shared by the API and the UI: chat templates, token text and bytes, EOS ids."""
 from __future__ import annotations
 
-from functools import lru_cache
+from collections.abc import Sequence
+from functools import cached_property, lru_cache
 
 from engine.errors import NoChatTemplateError
+from engine.tool_calls import Function, fallback_messages, native_messages
 
 # End-of-turn markers of common chat templates; a model whose vocabulary has one stops on it like on EOS.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>")
@@ -30,11 +32,38 @@ class TokenizerView:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Chat messages -> prompt text. Tokenize it with add_special_tokens=False: the template has the BOS."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    functions: Sequence[Function] | None = None) -> str:
+        """Chat messages (OpenAI's shape: assistant `tool_calls`, `tool` results) -> prompt text, with the functions
+        the model may call. A template that renders tools gets them as transformers passes them; for one that does
+        not, engine/tool_calls.py writes them (and earlier calls and results) as text. Tokenize the result with
+        add_special_tokens=False: the template has the BOS."""
         if not self.has_chat_template:
             raise NoChatTemplateError("this model's tokenizer has no chat template; use /v1/completions", "messages")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        if self.renders_tools:
+            tools = [f.definition() for f in functions] if functions else None
+            return self.tokenizer.apply_chat_template(
+                native_messages(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            fallback_messages(messages, functions), tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def chat_prompt_ids(self, messages: list[dict], functions: Sequence[Function] | None = None) -> list[int]:
+        """The prompt for the assistant's next turn, as token ids: what the API and the UI submit for a chat."""
+        return self.encode(self.render_chat(messages, True, functions), add_special_tokens=False)
+
+    @cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template writes tool definitions itself: asked by rendering one conversation with and
+        without a tool, since templates declare nothing."""
+        if not self.has_chat_template:
+            return False
+        probe = [{"role": "user", "content": "hi"}]
+        tool = Function("probe", {"type": "object", "properties": {}}, "A probe.").definition()
+        try:
+            with_tool = self.tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False)
+        except Exception:  # a template that chokes on tools does not render them
+            return False
+        return with_tool != self.tokenizer.apply_chat_template(probe, tokenize=False)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

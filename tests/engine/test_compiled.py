@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.compiled import WARMUP_BLOCKS
 from conftest import cpu_kernels, tiny_quantized_engine
 
 # logprobs=5: a tiny random model's next-token distribution is nearly flat, and in bf16 three or more candidates
@@ -102,6 +103,10 @@ def test_requests_are_served_while_the_compiled_step_builds_and_it_takes_over_af
         assert engine.decode_step == "compiling"
         during = [c.choices[0].token_ids for c in engine.generate(prompts, PARAMS)]
         assert engine.decode_step == "compiling" and not engine.compiled_decode
+        # The warm-up's blocks are the engine's own, not in use by a request: a client counting leaked blocks
+        # on an idle server (bench/soak.py) must see none while it compiles.
+        stats = engine.stats()
+        assert (stats.num_kv_blocks_used, stats.num_kv_blocks_reserved) == (0, WARMUP_BLOCKS)
         may_compile.set()
         assert engine.wait_for_compiled_decode(timeout_s=600) and engine.decode_step == "compiled"
         after = [c.choices[0].token_ids for c in engine.generate(prompts, PARAMS)]
@@ -111,6 +116,9 @@ def test_requests_are_served_while_the_compiled_step_builds_and_it_takes_over_af
         while engine.stats().num_kv_blocks_used and time.monotonic() < deadline:
             time.sleep(0.01)
         assert engine.stats().num_kv_blocks_used == 0
+        while engine.stats().num_kv_blocks_reserved and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.stats().num_kv_blocks_reserved == 0
     finally:
         may_compile.set()
         engine.stop()

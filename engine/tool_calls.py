@@ -1,0 +1,351 @@
+"""Tool calls in a model's text: the one format Tern reads, the grammar that holds a reply to it, how a conversation
+with tools is written for a chat template that knows no tools, and the parser that turns a reply back into calls.
+
+The format is Hermes's, which the Qwen2.5, Qwen3 and Hermes chat templates teach their models: each call is a JSON
+object with the function's name first, then its arguments, between tags on lines of their own:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+A template that renders `tools=` itself is given the definitions as they are; one that ignores them (the default
+model's) gets them written into the system prompt in this format by `fallback_messages`, and earlier calls and their
+results written as text. Reading one format only is a choice: a model trained on another (Llama 3.1's bare JSON,
+Mistral's [TOOL_CALLS]) is still held to this one when a call is required, but in `auto` its own format reads as text.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+OPEN_TAG = "<tool_call>"
+CLOSE_TAG = "</tool_call>"
+
+ToolMode = Literal["auto", "required", "named"]
+
+
+@dataclass(frozen=True)
+class Function:
+    """A function the model may call; parameters is the JSON Schema of its arguments object."""
+
+    name: str
+    parameters: dict
+    description: str | None = None
+
+    def definition(self) -> dict:
+        """In OpenAI's (and transformers' `tools=`) shape."""
+        function = {"name": self.name, "parameters": self.parameters}
+        if self.description:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What a request lets the model do with its functions. `none` is no ToolUse at all: the reply is text."""
+
+    functions: tuple[Function, ...]
+    mode: ToolMode = "auto"  # auto: text or calls; required: one call or more; named: exactly one call of `name`
+    name: str | None = None
+    parallel: bool = True  # more than one call in a reply (never for `named`, as OpenAI)
+
+
+def grammar_source(tool_use: ToolUse, answer_schema: dict | None = None, json_options: dict | None = None) -> str:
+    """The reply's grammar, in llguidance's Lark dialect (docs/syntax.md of llguidance).
+
+    required / named: nothing but calls, each valid against its function's parameters. auto: free text, until the
+    model writes the opening tag; from there a valid call is forced (a lazy lexeme: the text before the tag matches
+    as little as it can), then text again. With `answer_schema` (response_format beside tools) the reply is either
+    calls or one JSON value valid against it. Without `parallel`, the reply ends after its first call.
+    json_options: llguidance's JSON compile options (whitespace), given to each JSON part as its "x-guidance" key.
+    """
+    def embedded(schema: dict) -> str:
+        return json.dumps({**schema, "x-guidance": json_options} if json_options else schema)
+
+    functions = tool_use.functions
+    if tool_use.mode == "named":
+        functions = tuple(f for f in functions if f.name == tool_use.name)
+    call_schema = {"anyOf": [_call_schema(f) for f in functions]}
+    # Whitespace around a call is bounded: unbounded, a weak model can spend its whole budget on newlines.
+    rules = [
+        "%llguidance {}",
+        'WS: /[ \\t\\n]{0,4}/',
+        f"call_json: %json {embedded(call_schema)}",
+    ]
+    if tool_use.mode == "auto" and answer_schema is None:
+        rules += [
+            "TEXT: /(.|\\n)*/",
+            f"call_head[lazy]: TEXT {json.dumps(OPEN_TAG)}",
+            f"tool_call: call_head WS call_json WS {json.dumps(CLOSE_TAG)}",
+            "start: tool_call* TEXT" if tool_use.parallel else "start: tool_call | TEXT",
+        ]
+    else:
+        rules.append(f"tool_call: {json.dumps(OPEN_TAG)} WS call_json WS {json.dumps(CLOSE_TAG)}")
+        calls = "WS (tool_call WS)+" if tool_use.parallel and tool_use.mode != "named" else "WS tool_call WS"
+        if tool_use.mode == "auto":  # with an answer schema
+            rules += [f"answer: %json {embedded(answer_schema)}", f"start: {calls} | answer"]
+        else:
+            rules.append(f"start: {calls}")
+    return "\n".join(rules) + "\n"
+
+
+def _call_schema(function: Function) -> dict:
+    # Properties are generated in the order listed: the name first, so a stream can announce the call before its
+    # arguments arrive.
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function.name}, "arguments": function.parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def format_call(name: str, arguments: str) -> str:
+    """One call as the model would have written it (arguments: the JSON text a client sent back to us)."""
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        value = arguments  # kept as a string rather than refused: it is the client's history, not ours to judge
+    return f"{OPEN_TAG}\n{json.dumps({'name': name, 'arguments': value}, ensure_ascii=False)}\n{CLOSE_TAG}"
+
+
+def tools_prompt(functions: tuple[Function, ...] | list[Function]) -> str:
+    """The system prompt's part that teaches a model without a tools template what it may call, and how."""
+    definitions = "\n".join(json.dumps(f.definition(), ensure_ascii=False) for f in functions)
+    return (
+        "# Tools\n\nYou can call functions to help you answer. Their definitions, one JSON object per line:\n"
+        f"<tools>\n{definitions}\n</tools>\n\n"
+        "To call a function, answer with a JSON object holding its name and its arguments between "
+        f"{OPEN_TAG} and {CLOSE_TAG} tags, one pair of tags per call:\n"
+        f'{OPEN_TAG}\n{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}\n{CLOSE_TAG}'
+    )
+
+
+def fallback_messages(messages: list[dict], functions: tuple[Function, ...] | list[Function] | None) -> list[dict]:
+    """A conversation with tools as plain chat for a template that renders no tools: the definitions join the
+    system prompt, an assistant's calls become text in the format above, and tool results become user turns
+    wrapped in <tool_response> tags (a user turn, because many templates refuse any other role)."""
+    out: list[dict] = []
+    for message in messages:
+        role, content = message["role"], message.get("content") or ""
+        if role == "assistant" and message.get("tool_calls"):
+            calls = [format_call(c["function"]["name"], c["function"].get("arguments") or "") for c in message["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join(filter(None, [content, *calls]))})
+        elif role == "tool":
+            response = f"<tool_response>\n{content}\n</tool_response>"
+            if out and out[-1]["role"] == "user" and out[-1].get("_tool_responses"):
+                out[-1]["content"] += "\n" + response  # several results of one turn's calls: one user turn
+            else:
+                out.append({"role": "user", "content": response, "_tool_responses": True})
+        else:
+            out.append({k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")})
+    for message in out:
+        message.pop("_tool_responses", None)
+    if functions:
+        prompt = tools_prompt(functions)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}" if out[0]["content"] else prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def native_messages(messages: list[dict]) -> list[dict]:
+    """The conversation for a template that renders tools itself: calls' arguments as objects, which is what
+    transformers' templates expect (they write them with `tojson`); a string that is no JSON stays a string."""
+    out = []
+    for message in messages:
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                arguments = call["function"].get("arguments") or "{}"
+                try:
+                    arguments = json.loads(arguments)
+                except json.JSONDecodeError:
+                    pass
+                calls.append({**call, "function": {**call["function"], "arguments": arguments}})
+            message = {**message, "tool_calls": calls}
+        out.append(message)
+    return out
+
+
+@dataclass
+class CallDelta:
+    """News of one call: `name` on its first delta only, then fragments of its arguments' JSON text."""
+
+    index: int
+    name: str | None
+    arguments: str
+
+
+@dataclass
+class ParsedCall:
+    name: str
+    arguments: str  # the arguments' JSON text exactly as the model wrote it
+
+
+# A call's head up to its arguments; the grammar writes `name` first.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+
+
+class ReplyParser:
+    """Splits a reply, fed in text deltas, into its text and its calls, as early as each is certain.
+
+    Text that could still be the start of an opening tag is held back, and so is whitespace, until text that is
+    neither follows: whitespace around calls is layout, not content. Once a call's name is known its first
+    CallDelta goes out; its arguments follow as they arrive, up to the end of their JSON value. Feeding the
+    whole reply at once gives the same text and calls as feeding it in any pieces.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[ParsedCall] = []
+        self.text = ""  # all content released so far
+        self._pending = ""  # text held back: outside a call, or the part of a call not read yet
+        self._in_call = False
+        self._scanner: _ValueScanner | None = None  # set once a call's head is read: where its arguments end
+        self._after_call = False  # whitespace right after a closing tag is layout
+        self._content = ""
+        self._deltas: list[CallDelta] = []
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        """Add text; returns (content delta, call deltas) that are now certain."""
+        self._pending += text
+        while self._read_call() if self._in_call else self._read_text():
+            pass
+        return self._release()
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        """The reply ended: release what was held. Trailing whitespace is content only in a reply without calls.
+        A call cut short (max_tokens) keeps the arguments it had; one cut before its name is text."""
+        if self._in_call:
+            if self._scanner is None:
+                self._content += OPEN_TAG + self._pending
+        else:
+            self._content += self._pending.rstrip() if self.calls else self._pending
+        self._pending = ""
+        return self._release()
+
+    def _release(self) -> tuple[str, list[CallDelta]]:
+        content, deltas = self._content, self._deltas
+        self._content, self._deltas = "", []
+        self.text += content
+        return content, deltas
+
+    def _read_text(self) -> bool:
+        if self._after_call:
+            self._pending = self._pending.lstrip()
+            self._after_call = not self._pending
+        start = self._pending.find(OPEN_TAG)
+        if start != -1:
+            self._content += self._pending[:start].rstrip()
+            self._pending = self._pending[start + len(OPEN_TAG):]
+            self._in_call, self._scanner = True, None
+            return True
+        # Hold back a tail that may begin the tag, and whitespace that may turn out to precede one.
+        body = self._pending[: len(self._pending) - _tag_prefix_length(self._pending)]
+        cut = len(body.rstrip())
+        self._content += self._pending[:cut]
+        self._pending = self._pending[cut:]
+        return False
+
+    def _read_call(self) -> bool:
+        if self._scanner is None:
+            match = _HEAD.match(self._pending)
+            if match is None:
+                return self._read_whole_call()
+            self.calls.append(ParsedCall(json.loads(match.group(1)), ""))
+            self._deltas.append(CallDelta(len(self.calls) - 1, self.calls[-1].name, ""))
+            self._pending = self._pending[match.end():]
+            self._scanner = _ValueScanner()
+        if not self._scanner.done:
+            if not self._scanner.started:  # whitespace before the value is not part of the arguments' text
+                self._pending = self._pending.lstrip()
+            taken = self._scanner.feed(self._pending)
+            fragment, self._pending = self._pending[:taken], self._pending[taken:]
+            if fragment:
+                self.calls[-1].arguments += fragment
+                self._deltas.append(CallDelta(len(self.calls) - 1, None, fragment))
+            if not self._scanner.done:
+                return False
+        end = self._pending.find(CLOSE_TAG)
+        if end == -1:
+            return False
+        self._end_call(end)
+        return True
+
+    def _read_whole_call(self) -> bool:
+        """A body whose name does not come first (a grammar never lets that happen): once the closing tag is
+        there, take it whole if it is a call, else give it back as text."""
+        end = self._pending.find(CLOSE_TAG)
+        if end == -1:
+            return False
+        body = self._pending[:end]
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError:
+            value = None
+        if isinstance(value, dict) and isinstance(value.get("name"), str) and "arguments" in value:
+            index = len(self.calls)
+            self.calls.append(ParsedCall(value["name"], json.dumps(value["arguments"], ensure_ascii=False)))
+            self._deltas += [CallDelta(index, value["name"], ""), CallDelta(index, None, self.calls[-1].arguments)]
+        else:
+            self._content += OPEN_TAG + body + CLOSE_TAG
+        self._end_call(end)
+        return True
+
+    def _end_call(self, close_at: int) -> None:
+        self._pending = self._pending[close_at + len(CLOSE_TAG):]
+        self._in_call, self._scanner, self._after_call = False, None, True
+
+
+def _tag_prefix_length(text: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of the opening tag."""
+    for length in range(min(len(text), len(OPEN_TAG) - 1), 0, -1):
+        if OPEN_TAG.startswith(text[-length:]):
+            return length
+    return 0
+
+
+class _ValueScanner:
+    """Finds where one JSON value ends in text that arrives in pieces, without parsing it: brackets are counted
+    outside strings, and a bare scalar ends at the first delimiter."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+        self.started = False
+
+    def feed(self, text: str) -> int:
+        """How many characters of text belong to the value (all of them unless it ends inside text)."""
+        for i, char in enumerate(text):
+            self.started = True
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+                    if self._depth == 0:
+                        self.done = True
+                        return i + 1
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                if self._depth == 0:  # a bare scalar ended at its container's closing bracket
+                    self.done = True
+                    return i
+                self._depth -= 1
+                if self._depth == 0:
+                    self.done = True
+                    return i + 1
+            elif self._depth == 0 and (char == "," or char.isspace()):
+                self.done = True
+                return i
+        return len(text)
