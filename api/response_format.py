@@ -59,11 +59,12 @@ def schema_format(name: Any, schema: Any, param: str, where: str) -> AnswerForma
         raise invalid(f"{where}.schema must be a JSON Schema (a JSON object)", param)
     if name is not None and not isinstance(name, str):
         raise invalid(f"{where}.name must be a string", param)
+    answer = AnswerFormat(schema, name, param)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
-        raise invalid(f"{where}.schema is not a JSON Schema: {exc.message}", param) from None
-    return AnswerFormat(schema, name, param)
+        raise invalid(f"Invalid schema for {answer.label}: not JSON Schema: {exc.message}", param) from None
+    return answer
 
 
 async def grammar_for(engine: Engine, answer: AnswerFormat, tools: tool_calls.Tools = tool_calls.NO_TOOLS

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import socket
 import subprocess
@@ -150,6 +151,35 @@ def tiny_engine_factory(default_tokenizer):
     yield make
     for engine in engines:
         engine.stop()
+
+
+@pytest.fixture
+def tiny_api(tiny_engine_factory):
+    """(engine, TestClient) serving the tiny llama, whose tokenizer is the default model's, behind the real API
+    routes (with their request ids and error handlers), for tests of what a client sees."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from api import RequestIDMiddleware, build_router, install_error_handlers
+    from engine import EngineHandle
+
+    engine, _ = tiny_engine_factory()
+    handle = EngineHandle()
+    handle.set_engine(engine)
+    app = FastAPI()
+    install_error_handlers(app)
+    app.add_middleware(RequestIDMiddleware)
+    app.include_router(build_router(handle))
+    with TestClient(app) as client:
+        yield engine, client
+
+
+def sse_chunks(response) -> list[dict]:
+    """The JSON chunks of a streamed answer, after checking it ended with [DONE]."""
+    assert response.status_code == 200, response.text
+    data = [line[len("data: "):] for line in response.text.split("\n\n") if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
 
 
 def free_port() -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.api.conftest import sse_chunks
+from conftest import sse_chunks
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

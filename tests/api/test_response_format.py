@@ -6,11 +6,7 @@ import json
 
 import jsonschema
 import pytest
-from fastapi import FastAPI
-from fastapi.testclient import TestClient
-
-from api import RequestIDMiddleware, build_router, install_error_handlers
-from engine import EngineHandle
+from conftest import sse_chunks
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -30,23 +26,8 @@ SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "bird", "schema"
 
 
 @pytest.fixture
-def client(tiny_engine_factory):
-    engine, _ = tiny_engine_factory()
-    handle = EngineHandle()
-    handle.set_engine(engine)
-    app = FastAPI()
-    install_error_handlers(app)
-    app.add_middleware(RequestIDMiddleware)
-    app.include_router(build_router(handle))
-    with TestClient(app) as test_client:
-        yield test_client
-
-
-def _sse_chunks(response) -> list[dict]:
-    assert response.status_code == 200, response.text
-    data = [line[len("data: "):] for line in response.text.split("\n\n") if line.startswith("data: ")]
-    assert data[-1] == "[DONE]"
-    return [json.loads(d) for d in data[:-1]]
+def client(tiny_api):
+    return tiny_api[1]
 
 
 def test_chat_json_schema_validates_streamed_or_not(client):
@@ -55,7 +36,7 @@ def test_chat_json_schema_validates_streamed_or_not(client):
     [choice] = whole["choices"]
     assert choice["finish_reason"] == "stop"
     jsonschema.validate(json.loads(choice["message"]["content"]), BIRD)
-    chunks = _sse_chunks(client.post(CHAT, json={**body, "stream": True}))
+    chunks = sse_chunks(client.post(CHAT, json={**body, "stream": True}))
     streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert streamed == choice["message"]["content"]  # the same seed, the same grammar: the same answer
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "stop"
@@ -80,7 +61,7 @@ def test_completions_take_response_format_too(client):
     [choice] = client.post(COMPLETIONS, json=body).json()["choices"]
     assert choice["finish_reason"] == "stop"
     jsonschema.validate(json.loads(choice["text"]), BIRD)
-    chunks = _sse_chunks(client.post(COMPLETIONS, json={**body, "stream": True}))
+    chunks = sse_chunks(client.post(COMPLETIONS, json={**body, "stream": True}))
     assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
 
 

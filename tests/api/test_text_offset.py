@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.api.conftest import sse_chunks
+from conftest import sse_chunks
 
 COMPLETIONS = "/v1/completions"
 TEXTS = ["The capital of France is", "<|im_start|>user\nName a bird"]

@@ -7,11 +7,7 @@ import json
 
 import jsonschema
 import pytest
-from fastapi import FastAPI
-from fastapi.testclient import TestClient
-
-from api import RequestIDMiddleware, build_router, install_error_handlers
-from engine import EngineHandle
+from conftest import sse_chunks
 
 CHAT = "/v1/chat/completions"
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -35,23 +31,8 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 
 
 @pytest.fixture
-def client(tiny_engine_factory):
-    engine, _ = tiny_engine_factory()
-    handle = EngineHandle()
-    handle.set_engine(engine)
-    app = FastAPI()
-    install_error_handlers(app)
-    app.add_middleware(RequestIDMiddleware)
-    app.include_router(build_router(handle))
-    with TestClient(app) as test_client:
-        yield test_client
-
-
-def _sse_chunks(response) -> list[dict]:
-    assert response.status_code == 200, response.text
-    data = [line[len("data: "):] for line in response.text.split("\n\n") if line.startswith("data: ")]
-    assert data[-1] == "[DONE]"
-    return [json.loads(d) for d in data[:-1]]
+def client(tiny_api):
+    return tiny_api[1]
 
 
 def _assert_valid_calls(calls: list[dict]) -> None:
@@ -92,7 +73,7 @@ def test_required_gives_valid_calls_streamed_or_not(client, temperature):
     assert choice["finish_reason"] == "tool_calls", choice
     assert choice["message"]["content"] is None
     _assert_valid_calls(choice["message"]["tool_calls"])
-    content, calls, finish = _streamed_calls(_sse_chunks(client.post(CHAT, json={**body, "stream": True})))
+    content, calls, finish = _streamed_calls(sse_chunks(client.post(CHAT, json={**body, "stream": True})))
     assert (content, finish) == ("", "tool_calls")
     strip_ids = lambda calls: [c["function"] for c in calls]  # noqa: E731 - ids are new per answer
     assert strip_ids(calls) == strip_ids(choice["message"]["tool_calls"])
@@ -107,7 +88,7 @@ def test_parallel_calls_are_each_valid(client):
         calls = calls[:-1]
     assert len(calls) >= 2
     _assert_valid_calls(calls)
-    content, streamed, _ = _streamed_calls(_sse_chunks(client.post(CHAT, json={**body, "stream": True})))
+    content, streamed, _ = _streamed_calls(sse_chunks(client.post(CHAT, json={**body, "stream": True})))
     assert [c["function"] for c in streamed] == [c["function"] for c in choice["message"]["tool_calls"]]
     assert content == (choice["message"]["content"] or "")
     assert len({c["id"] for c in streamed}) == len(streamed)
