@@ -57,8 +57,7 @@ async def generate_reply(
         schema = await asyncio.to_thread(compile_schema, engine, schema_text)
         params = sampling_params(temperature, top_p, top_k, max_tokens, seed, stop,
                                  grammar=schema.grammar if schema else None)
-        prompt = engine.tokenizer.render_chat(build_messages(history, system_prompt))
-        stream = engine.submit(engine.tokenizer.encode(prompt, add_special_tokens=False), params)
+        stream = engine.submit(engine.tokenizer.chat_prompt_ids(build_messages(history, system_prompt)), params)
     except EngineError as exc:
         yield render_chatbot(history, show_probs), history, report_error(exc)
         return

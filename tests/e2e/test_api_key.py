@@ -61,6 +61,8 @@ def test_every_route_that_runs_the_model_wants_the_key(keyed_server):
     chat = {"messages": QUESTION, "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"Authorization": f"Basic {API_KEY}"}):
         for method, path, body in [("POST", "/v1/chat/completions", chat), ("GET", "/v1/models", None),
+                                   ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+                                   ("GET", "/v1/responses/resp_1", None), ("DELETE", "/v1/responses/resp_1", None),
                                    ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1]}),
                                    ("GET", "/tokenizer_info", None)]:
             response = httpx.request(method, f"{base_url}{path}", json=body, headers=headers, timeout=60)
