@@ -188,7 +188,7 @@ def streamed(chunk: type[BaseModel]) -> dict:
     json_data = {
         "type": "string",
         "contentMediaType": "application/json",
-        "contentSchema": {"anyOf": [_inline(chunk.model_json_schema()), _inline(ErrorResponse.model_json_schema())]},
+        "contentSchema": {"anyOf": [inline(chunk.model_json_schema()), inline(ErrorResponse.model_json_schema())]},
     }
     event = {
         "type": "object",
@@ -203,7 +203,7 @@ def streamed(chunk: type[BaseModel]) -> dict:
     return {200: {"description": description, "content": {"text/event-stream": {"itemSchema": event}}}, **ERRORS}
 
 
-def _inline(schema: dict) -> dict:
+def inline(schema: dict) -> dict:
     """Resolve pydantic's local $refs so the schema stands on its own inside an operation."""
     defs = schema.pop("$defs", {})
 

@@ -18,6 +18,7 @@ from api.bodies import ERRORS
 from api.chat import start_chat
 from api.errors import OpenAIError, to_openai_error
 from api.generation import Generation, until_disconnected
+from api.responses_bodies import DeletedResponse, ResponseObject, streamed_events
 from api.responses_input import (
     ResponsesRequest, input_messages, output_messages, response_tools, text_format,
 )
@@ -28,7 +29,8 @@ from api.sse import HEADERS
 
 
 def add_routes(router: APIRouter, server: Server, store: ResponseStore) -> None:
-    @router.post("/v1/responses", responses=ERRORS, summary="Create a response")
+    @router.post("/v1/responses", response_model=ResponseObject, responses=streamed_events(),
+                 summary="Create a response")
     async def create_response(body: ResponsesRequest, request: Request):
         engine = server.engine(body.model)
         params = body.to_sampling_params()
@@ -47,11 +49,13 @@ def add_routes(router: APIRouter, server: Server, store: ResponseStore) -> None:
         await until_disconnected(request, generation.collect())
         return JSONResponse(run.finish_whole())
 
-    @router.get("/v1/responses/{response_id}", responses=ERRORS, summary="Get a stored response")
+    @router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=ERRORS,
+                summary="Get a stored response")
     async def get_response(response_id: str):
-        return _stored(store, response_id, "response_id").response
+        return JSONResponse(_stored(store, response_id, "response_id").response)
 
-    @router.delete("/v1/responses/{response_id}", responses=ERRORS, summary="Delete a stored response")
+    @router.delete("/v1/responses/{response_id}", response_model=DeletedResponse, responses=ERRORS,
+                   summary="Delete a stored response")
     async def delete_response(response_id: str):
         if not store.delete(response_id):
             raise _not_found(response_id, "response_id")

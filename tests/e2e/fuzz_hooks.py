@@ -15,6 +15,7 @@ MAX_SAMPLES = 2
 _LENGTH_FIELDS = {
     "/v1/completions": ("max_tokens",),
     "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
+    "/v1/responses": ("max_output_tokens",),
 }
 
 
