@@ -18,6 +18,7 @@ size, so warm-up compiles each regime once before the first request rather than 
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.models.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 # Quantizations whose layers trace without graph breaks (bitsandbytes layers call into a C library).
 COMPILABLE_QUANTIZATIONS = ("none", "int8", "int4")
@@ -49,6 +52,22 @@ def compile_forward(model):
     allow_recompiles()
     # emulate_precision_casts: round to bf16 wherever eager does, so greedy tokens match the eager step.
     return torch.compile(model.forward, fullgraph=True, options={"emulate_precision_casts": True})
+
+
+def trace_once_before_serving() -> None:
+    """Do on the calling thread (the engine's, before it serves) what inductor does once per process on the first
+    compile: symbolically trace a placeholder function (torch._inductor.loop_body.InterpreterShim._dummy_gm) with
+    torch.fx's base Tracer. While that Tracer runs it patches nn.Module.__call__ and __getattr__ for every thread,
+    so an eager step on the engine thread at that moment fails ("NameError: module is not installed as a
+    submodule": seen under load while the compiled step built in the background). Done here, the compile thread
+    finds it cached. The tracers the compile itself uses (make_fx's) pass module calls and attributes through."""
+    try:
+        from torch._inductor.loop_body import InterpreterShim
+
+        InterpreterShim._dummy_gm()
+    except Exception as exc:  # another torch may not have it; the hazard would then be elsewhere or gone
+        logger.warning("could not trace inductor's placeholder ahead of the background compile: %s: %s",
+                       type(exc).__name__, exc)
 
 
 def allow_recompiles() -> None:

@@ -199,6 +199,7 @@ class Engine:
             self._compile(forward, blocks)
             self._release_warmup_blocks()
             return
+        compiled.trace_once_before_serving()  # before the compile thread can: it would break concurrent eager steps
         self._compile_state = "compiling"
         logger.info("serving with the eager decode step while the compiled one builds (a few minutes on the "
                     "first start, ~20 s later: inductor caches its kernels)")

@@ -124,6 +124,40 @@ def test_requests_are_served_while_the_compiled_step_builds_and_it_takes_over_af
         engine.stop()
 
 
+def test_eager_steps_do_not_fail_while_the_background_compile_traces(default_tokenizer, monkeypatch, tmp_path):
+    """Inductor traces a placeholder with torch.fx's base Tracer once per process, which patches nn.Module's
+    __call__ for every thread while it runs: an eager step then failed with "module is not installed as a
+    submodule". Here the compile thread is held inside that trace, if it ever gets there, while requests are served."""
+    from torch._inductor import loop_body
+
+    loop_body.InterpreterShim._dummy_gm.cache_clear()  # as in a fresh process
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # no cached kernels: the compile generates code
+    in_trace, may_leave = threading.Event(), threading.Event()
+    identity = loop_body.identity
+
+    def held_identity(value):
+        if threading.current_thread().name == "tern-compile":
+            in_trace.set()
+            may_leave.wait(timeout=120)
+        return identity(value)
+
+    monkeypatch.setattr(loop_body, "identity", held_identity)
+    engine = _engine(default_tokenizer, "bfloat16", "int8", compile=True, max_num_seqs=4)  # the AVX512 default
+    try:
+        prompts = _prompts(3)
+        # The compile thread either reaches the placeholder's trace (and waits there) or compiles without it.
+        deadline = time.monotonic() + 600
+        while not in_trace.is_set() and not engine.wait_for_compiled_decode(timeout_s=0.05):
+            assert time.monotonic() < deadline
+        completions = engine.generate(prompts, PARAMS)
+        assert [len(c.choices[0].token_ids) for c in completions] == [PARAMS.max_tokens] * 3
+        may_leave.set()
+        assert engine.wait_for_compiled_decode(timeout_s=600)
+    finally:
+        may_leave.set()
+        engine.stop()
+
+
 def test_compile_where_unsupported_runs_eager_and_still_serves(tiny_engine_factory):
     engine, _ = tiny_engine_factory("gpt2", compile=True)  # the generic transformers path is never compiled
     assert not engine.compiled_decode and engine.decode_step == "eager"
