@@ -210,7 +210,9 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
     app.add_middleware(RequestIDMiddleware)  # every response, the UI's too, carries X-Request-ID
     if server.cors_origins:
         app.add_middleware(APICORSMiddleware, origins=list(server.cors_origins))
-    app.include_router(build_router(handle, api_key=server.api_key, max_stored_responses=server.max_stored_responses))
+    router = build_router(handle, api_key=server.api_key, max_stored_responses=server.max_stored_responses)
+    app.state.metrics = router.metrics
+    app.include_router(router)
     # Mounted last: a mount at "/" catches every path not matched above. With an API key the UI asks for it too:
     # Gradio's own HTTP API (what gradio_client calls) runs the model as /v1 does.
     login = key_login(server.api_key) if server.api_key else None

@@ -51,6 +51,7 @@ def build_router(handle: EngineHandle, api_key: str | None = None,
     router.include_router(v1)
     router.include_router(tokenizer)
     router.include_router(status)
+    router.metrics = server.metrics  # for whoever reports them outside HTTP too (deploy/: each Ray replica's)
     return router
 
 

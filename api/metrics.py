@@ -65,6 +65,10 @@ class _EngineCollector:
                                 "compiled decode step's warm-up, while it runs)", value=stats.num_kv_blocks_reserved)
         yield GaugeMetricFamily("tern_generation_tokens_per_second", "Over the last 5 s", value=stats.tokens_per_s)
         yield CounterMetricFamily("tern_preemptions", "Sequences preempted for KV space", value=stats.num_preemptions)
+        yield CounterMetricFamily(
+            "tern_prefix_cache_hits", "KV blocks reused from the prefix cache instead of recomputed",
+            value=stats.num_prefix_cache_hits,
+        )
         yield CounterMetricFamily("tern_engine_steps", "Model steps run, for the API and the UI", value=stats.num_steps)
         yield CounterMetricFamily(
             "tern_engine_generated_tokens", "Tokens sampled, for the API and the UI", value=stats.num_generated_tokens

@@ -59,17 +59,24 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
     async def _drain_engine(self, engine: Engine) -> None:
-        if engine.has_requests:
-            logger.info("draining: new requests get 503; the running ones have up to %.0f s to finish (send the "
-                        "signal again to end them now)", self.drain_timeout_s)
-        deadline = time.monotonic() + self.drain_timeout_s
-        while engine.has_requests and time.monotonic() < deadline and self._num_signals < 2:
-            await asyncio.sleep(POLL_S)
-        if not engine.has_requests:
-            logger.info("drained: every request finished")
-            return
-        logger.warning("drain over: ending the requests still running (finish_reason \"abort\")")
-        engine.abort_all()
-        deadline = time.monotonic() + _ABORT_WAIT_S
-        while engine.has_requests and time.monotonic() < deadline:
-            await asyncio.sleep(POLL_S)
+        await drain_engine(engine, self.drain_timeout_s, lambda: self._num_signals >= 2)
+
+
+async def drain_engine(engine: Engine, timeout_s: float, is_cut_short=lambda: False) -> None:
+    """Wait until the (draining) engine's running requests end, up to timeout_s or until is_cut_short() says so (a
+    second signal); then end the rest with finish_reason "abort" and give their last chunks time to be written.
+    Shared by the uvicorn server here and by each replica on Ray (deploy/replica.py)."""
+    if engine.has_requests:
+        logger.info("draining: new requests get 503; the running ones have up to %.0f s to finish (send the "
+                    "signal again to end them now)", timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while engine.has_requests and time.monotonic() < deadline and not is_cut_short():
+        await asyncio.sleep(POLL_S)
+    if not engine.has_requests:
+        logger.info("drained: every request finished")
+        return
+    logger.warning("drain over: ending the requests still running (finish_reason \"abort\")")
+    engine.abort_all()
+    deadline = time.monotonic() + _ABORT_WAIT_S
+    while engine.has_requests and time.monotonic() < deadline:
+        await asyncio.sleep(POLL_S)

@@ -14,6 +14,9 @@ from pathlib import Path
 import torch
 
 SIZES = {
+    # A few MB, loads in about a second: for tests and benchmarks of what sits around the engine (routing, Ray)
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=False),
     # SmolLM2-135M's shapes (the default model)
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, tie_word_embeddings=True),

@@ -300,6 +300,12 @@ class Engine:
             self._is_draining = True
 
     @property
+    def is_running(self) -> bool:
+        """Whether the step loop is alive: started, not stopped, its thread not dead (a health check asks)."""
+        thread = self._thread
+        return self._running and thread is not None and thread.is_alive()
+
+    @property
     def is_draining(self) -> bool:
         return self._is_draining
 
@@ -405,6 +411,11 @@ class Engine:
             self._num_generated_tokens,
             reserved,
         )
+
+    def cached_prefix_hashes(self) -> list[bytes]:
+        """Hashes of the KV blocks the prefix cache holds (engine/kv_cache.py block_hash: each chained to the blocks
+        before it), so a router in front of several engines can tell which one holds a prompt's prefix."""
+        return self.allocator.cached_hashes()
 
     # Validation (caller's thread).
     def _validate(self, prompt_ids: list[int], params) -> None:

@@ -73,6 +73,12 @@ class BlockAllocator:
         self.num_cached_hits += 1
         return block
 
+    def cached_hashes(self) -> list[bytes]:
+        """The hashes of every block the prefix cache can still find, for a router placing requests where their
+        prefix is. Any thread may ask: dict.copy() runs without releasing the GIL, so the engine thread cannot change
+        the index in the middle of it."""
+        return list(self._block_of.copy())
+
     def _forget(self, block: int) -> None:
         content_hash = self._hash_of.pop(block, None)
         if content_hash is not None:

@@ -1,0 +1,225 @@
+"""python -m deploy.ray_serve: Tern's app on Ray Serve, N engine replicas behind Ray's HTTP proxy.
+
+    python -m deploy.ray_serve --replicas 2 --num-cpus 1            # this machine (starts a local Ray)
+    ray start --head; python -m deploy.ray_serve --ray-address auto  # join a running cluster
+
+Every flag of `python app.py` works here too (--model, --quantization, --api-key, --max-waiting, ...), each
+replica serving as one `python app.py` would. The app: TernIngress (reads each request, tokenizes its prompt to
+route it) -> TernReplica x N (one engine each) chosen by deploy/router.py, plus TernBoard (metrics and drain).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+APP_NAME = "tern"
+UI_HEADROOM = 8  # ongoing requests a replica takes beyond its engine's queue: UI streams, probes, /v1/models
+DEFAULT_OBJECT_STORE_BYTES = 256 * 1024 * 1024  # a local cluster's; replicas pass only requests and tokens through it
+ROUTERS = ("prefix", "pow2")
+
+logger = logging.getLogger("tern.ray")
+
+
+@dataclass(frozen=True)
+class ScaleSettings:
+    replicas: int = 2
+    num_cpus: float = 1.0  # per replica
+    num_gpus: float = 0.0  # per replica
+    min_replicas: int | None = None  # with max_replicas: autoscaling
+    max_replicas: int | None = None
+    target_ongoing_requests: float = 8.0
+    ingress_replicas: int = 1
+    router: str = "prefix"  # deploy/router.py; "pow2": Ray's default power-of-two-choices
+    imbalanced_threshold: int = 4  # deploy/router.py: beyond this difference in queue lengths, load wins
+    ray_address: str | None = None  # None: join a running cluster if there is one, else start a local one
+    object_store_memory_bytes: int = DEFAULT_OBJECT_STORE_BYTES
+
+    @property
+    def is_autoscaling(self) -> bool:
+        return self.max_replicas is not None
+
+    @property
+    def threads_per_replica(self) -> int:
+        return max(1, int(self.num_cpus))
+
+
+def parse_args(argv: list[str] | None = None):
+    """(ServerSettings, EngineConfig, ScaleSettings): the Ray flags here, the rest as `python app.py` reads them."""
+    env = os.environ.get
+    parser = argparse.ArgumentParser(
+        prog="python -m deploy.ray_serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Every flag of `python app.py --help` is accepted too.",
+    )
+    parser.add_argument("--replicas", type=int, default=int(env("TERN_REPLICAS", "2")),
+                        help="engine replicas, each with its own engine and KV cache (TERN_REPLICAS)")
+    parser.add_argument("--num-cpus", type=float, default=float(env("TERN_REPLICA_CPUS", "1")),
+                        help="CPUs Ray reserves per replica, fractions allowed; its torch threads are this, at least 1 "
+                        "(TERN_REPLICA_CPUS)")
+    parser.add_argument("--num-gpus", type=float, default=float(env("TERN_REPLICA_GPUS", "0")),
+                        help="GPUs per replica, fractions allowed; pass --device cuda too (TERN_REPLICA_GPUS)")
+    parser.add_argument("--min-replicas", type=int, default=None, help="autoscaling: the fewest replicas (default 1)")
+    parser.add_argument("--max-replicas", type=int, default=None,
+                        help="autoscaling on: Ray adds replicas up to this while requests queue")
+    parser.add_argument("--target-ongoing-requests", type=float, default=8.0,
+                        help="autoscaling: the requests per replica Ray aims at (default %(default)g)")
+    parser.add_argument("--ingress-replicas", type=int, default=1, help="replicas of the ingress (default 1)")
+    parser.add_argument("--router", choices=ROUTERS, default="prefix",
+                        help="prefix: to the replica holding the prompt's prefix unless load is imbalanced (default); "
+                        "pow2: Ray's default power-of-two-choices")
+    parser.add_argument("--imbalanced-threshold", type=int, default=4,
+                        help="prefix router: load wins once queue lengths differ by more than this (default 4)")
+    parser.add_argument("--ray-address", default=env("RAY_ADDRESS"),
+                        help="a running cluster's address (auto: the one on this node); local: always start a new "
+                        "one; default: join a running cluster if there is one, else start a local one (RAY_ADDRESS)")
+    parser.add_argument("--object-store-memory", type=int, default=DEFAULT_OBJECT_STORE_BYTES, metavar="BYTES",
+                        help="a local cluster's object store (default 256 MiB)")
+    args, rest = parser.parse_known_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from app import parse_args as parse_tern_args
+
+    server, engine_config, _ = parse_tern_args(rest)
+    if args.max_replicas is None and args.min_replicas is not None:
+        parser.error("--min-replicas needs --max-replicas (autoscaling)")
+    scale = ScaleSettings(args.replicas, args.num_cpus, args.num_gpus, args.min_replicas, args.max_replicas,
+                          args.target_ongoing_requests, args.ingress_replicas, args.router, args.imbalanced_threshold,
+                          args.ray_address, args.object_store_memory)
+    return server, engine_config, scale
+
+
+def build_app(server, engine_config, scale: ScaleSettings):
+    """The Serve application: ingress -> replicas (chosen by the router), and the board."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from deploy.board import TernBoard
+    from deploy.ingress import TernIngress
+    from deploy.replica import TernReplica
+    from deploy.router import PrefixAwareRouter
+
+    if scale.router == "prefix":
+        router = RequestRouterConfig(
+            request_router_class=PrefixAwareRouter,
+            request_router_kwargs={"imbalanced_threshold": scale.imbalanced_threshold},
+            request_routing_stats_period_s=0.5, request_routing_stats_timeout_s=5.0,
+        )
+    else:
+        router = RequestRouterConfig()
+    size = ({"autoscaling_config": {"min_replicas": scale.min_replicas or 1, "max_replicas": scale.max_replicas,
+                                    "target_ongoing_requests": scale.target_ongoing_requests}}
+            if scale.is_autoscaling else {"num_replicas": scale.replicas})
+    board = serve.deployment(TernBoard, name="TernBoard", num_replicas=1, max_ongoing_requests=1000,
+                             ray_actor_options={"num_cpus": 0},
+                             logging_config={"enable_access_log": False}).bind()  # a report a second per replica
+    replicas = serve.deployment(TernReplica, name="TernReplica").options(
+        **size,
+        ray_actor_options={
+            "num_cpus": scale.num_cpus, "num_gpus": scale.num_gpus,
+            # Read by libgomp when the process starts, before torch.set_num_threads in the replica can act.
+            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(scale.threads_per_replica)}},
+        },
+        # Tern's own 429 (--max-waiting) is the limit a client meets; Ray's queue in front of the replicas only
+        # absorbs bursts, and past max_queued_requests the ingress answers 429 too.
+        max_ongoing_requests=engine_config.max_num_seqs + engine_config.max_waiting + UI_HEADROOM,
+        max_queued_requests=engine_config.max_waiting,
+        graceful_shutdown_timeout_s=server.drain_timeout_s + 15, graceful_shutdown_wait_loop_s=1.0,
+        health_check_period_s=5.0, health_check_timeout_s=30.0,
+        request_router_config=router,
+    ).bind(server, engine_config, board, scale.threads_per_replica)
+    return serve.deployment(TernIngress, name="TernIngress").options(
+        num_replicas=scale.ingress_replicas, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=server.drain_timeout_s + 20,
+    ).bind(replicas, board, server, engine_config)
+
+
+def connect(scale: ScaleSettings) -> bool:
+    """Join the cluster, or start a local one; True if this process started it (and so stops it)."""
+    import ray
+
+    # Replicas import Tern's modules from this checkout; on a cluster every node needs it at the same path (the
+    # container image has it at /home/user/app).
+    runtime_env = {"env_vars": {"PYTHONPATH": str(ROOT)}}
+    local = dict(include_dashboard=False, object_store_memory=scale.object_store_memory_bytes, runtime_env=runtime_env)
+    if scale.ray_address == "local":
+        ray.init(**local)
+        return True
+    if scale.ray_address:
+        ray.init(address=scale.ray_address, runtime_env=runtime_env)
+        return False
+    try:
+        ray.init(address="auto", runtime_env=runtime_env)
+        return False
+    except ConnectionError:
+        ray.init(**local)
+        return True
+
+
+def run(server, engine_config, scale: ScaleSettings) -> None:
+    """Deploy and serve until SIGTERM/SIGINT, then drain (as `python app.py` does) and remove the app."""
+    import ray
+    from ray import serve
+
+    started_ray = connect(scale)
+    logger.info("Ray cluster at %s (%s)", ray.get_runtime_context().gcs_address,
+                "started here" if started_ray else "joined")
+    signals = _Signals()
+    try:
+        serve.start(http_options={"host": server.host, "port": server.port})
+        serve.run(build_app(server, engine_config, scale), name=APP_NAME, route_prefix="/")
+        logger.info("serving on http://%s:%d with %s", server.host, server.port,
+                    f"{scale.min_replicas or 1}-{scale.max_replicas} replicas" if scale.is_autoscaling
+                    else f"{scale.replicas} replicas")
+        signals.first.wait()
+        drain(server.drain_timeout_s, signals.second)
+        serve.delete(APP_NAME)
+    finally:
+        if started_ray:
+            serve.shutdown()
+            ray.shutdown()
+
+
+def drain(timeout_s: float, cut_short: threading.Event) -> None:
+    """Every replica stops taking requests (503) and its running ones get timeout_s to finish, then are ended
+    (finish_reason "abort"); returns once no replica has requests."""
+    from ray import serve
+
+    from deploy.board import REPORT_PERIOD_S
+
+    ingress = serve.get_app_handle(APP_NAME)
+    ingress.drain_replicas.remote().result()
+    logger.info("draining: new requests get 503; running ones have up to %.0f s to finish", timeout_s)
+    time.sleep(2 * REPORT_PERIOD_S)  # every replica has had the order and reported since
+    deadline = time.monotonic() + timeout_s + 15  # the replicas' own abort and flush come after timeout_s
+    while time.monotonic() < deadline and not cut_short.is_set():
+        if not any(ingress.replicas_status.remote().result().values()):
+            logger.info("drained: every replica is idle")
+            return
+        time.sleep(0.25)
+
+
+class _Signals:
+    def __init__(self) -> None:
+        self.first, self.second = threading.Event(), threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        (self.second if self.first.is_set() else self.first).set()
+
+
+def main(argv: list[str] | None = None) -> int:
+    server, engine_config, scale = parse_args(argv)
+    logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run(server, engine_config, scale)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
