@@ -82,7 +82,7 @@ class TernIngress:
             raise
         except BackPressureError:
             # Every replica is at max_ongoing_requests and the queue in front of them is full.
-            await _error(send, 429, "every replica is busy; retry shortly", "rate_limit_exceeded",
+            await _error(send, 429, "every replica is busy; retry shortly", "rate_limit_error",
                          "rate_limit_exceeded", {"Retry-After": str(RETRY_AFTER_S)})
         except Exception as exc:  # the replica died (its actor was killed, its node lost) or failed
             logger.warning("forwarding %s %s failed: %s: %s", scope["method"], scope["path"], type(exc).__name__, exc)

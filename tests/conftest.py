@@ -239,3 +239,59 @@ def live_server(default_checkpoint):
         yield base_url
     finally:
         stop_server(process)
+
+
+# Ray Serve (deploy/): one local Ray cluster for the session, small and shut down at the end.
+RAY_OBJECT_STORE_BYTES = 128 * 1024 * 1024
+RAY_REPLICA_CPUS = 0.5  # two replicas on a 2-core machine, and room for Ray to start a third while one restarts
+
+
+@pytest.fixture(scope="session")
+def ray_serve():
+    """A local Ray cluster (no dashboard, a bounded object store) with Serve's proxy on 127.0.0.1 and a free port;
+    yields the base URL. Skips where Ray is not installed (`make test` installs requirements-ray.txt)."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError as exc:
+        pytest.skip(f"Ray is not installed ({exc}): pip install -r requirements-ray.txt")
+    from deploy.ray_serve import ScaleSettings, connect
+
+    connect(ScaleSettings(ray_address="local", object_store_memory_bytes=RAY_OBJECT_STORE_BYTES))
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def deploy_on_ray(*tern_flags: str, **scale) -> None:
+    """Serve Tern as app "tern" at "/" on the session's cluster, with app.py's flags and ScaleSettings' fields;
+    returns once every replica has loaded its model."""
+    from ray import serve
+
+    from deploy.ray_serve import ScaleSettings, build_app, parse_args
+
+    server, engine_config, _ = parse_args(["--host", "127.0.0.1", "--no-compile", *tern_flags])
+    scale = ScaleSettings(**{"num_cpus": RAY_REPLICA_CPUS, **scale})
+    serve.run(build_app(server, engine_config, scale), name="tern", route_prefix="/")
+
+
+def undeploy_from_ray() -> None:
+    from ray import serve
+
+    serve.delete("tern")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, default_checkpoint) -> Path:
+    """A random tiny Llama saved as a checkpoint folder with the default model's tokenizer and chat template: a
+    replica loads it in about a second (bench/random_checkpoint.py's "tiny")."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("random_checkpoint", ROOT / "bench" / "random_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # by path: bench/ on sys.path would shadow the `kernels` package transformers probes
+    return module.make_random_checkpoint("tiny", default_checkpoint, tmp_path_factory.mktemp("tiny"), torch.float32)
