@@ -36,6 +36,7 @@ class Result:
     requests: int
     seconds: float
     replicas_used: int
+    num_conversations_on_one_replica: int  # conversations whose every turn ran on the same replica
 
     @property
     def hit_rate(self) -> float:
@@ -48,15 +49,16 @@ def text(seed: int, num_words: int) -> str:
 
 
 async def run_conversations(base_url: str, num_conversations: int = 8, num_turns: int = 4, max_tokens: int = 16,
-                            seed: int = 0, api_key: str = "unused") -> tuple[int, int, set[str]]:
-    """Send the conversations, interleaved; returns (prompt blocks sent, hit blocks added, replicas that answered)."""
+                            seed: int = 0, api_key: str = "unused") -> tuple[int, int, list[list[str]]]:
+    """Send the conversations, interleaved; returns (prompt blocks sent, hit blocks added, for each conversation
+    the replicas that answered its turns)."""
     headers = {"Authorization": f"Bearer {api_key}"}
     async with httpx.AsyncClient(base_url=base_url, timeout=600, headers=headers) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         before = await prefix_cache_hits(client)
         chats = [[{"role": "system", "content": f"Conversation {seed}-{c}. " + text(seed * 1000 + c, 12)}]
                  for c in range(num_conversations)]
-        prompt_blocks, replicas = 0, set()
+        prompt_blocks, replicas = 0, [[] for _ in chats]
 
         async def turn(chat: list[dict], t: int, c: int) -> None:
             nonlocal prompt_blocks
@@ -68,7 +70,7 @@ async def run_conversations(base_url: str, num_conversations: int = 8, num_turns
             answer = response.json()
             chat.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
             prompt_blocks += (answer["usage"]["prompt_tokens"] - 1) // BLOCK_SIZE  # as the scheduler looks them up
-            replicas.add(response.headers.get("x-tern-replica", "?"))
+            replicas[c].append(response.headers.get("x-tern-replica", "?"))
 
         for t in range(num_turns):
             await asyncio.gather(*(turn(chat, t, c) for c, chat in enumerate(chats)))
@@ -92,7 +94,8 @@ def measure(router: str, base_url: str, deploy, seed: int, **options) -> Result:
         started = time.perf_counter()
         prompt_blocks, hits, replicas = asyncio.run(run_conversations(base_url, seed=seed, **options))
         return Result(router, hits, prompt_blocks, options.get("num_conversations", 8) * options.get("num_turns", 4),
-                      time.perf_counter() - started, len(replicas))
+                      time.perf_counter() - started, len({r for turns in replicas for r in turns}),
+                      sum(len(set(turns)) == 1 for turns in replicas))
     finally:
         serve.delete("tern")
 
@@ -138,12 +141,13 @@ def main() -> None:
     baseline = results[0]
     print(f"{args.conversations} conversations x {args.turns} turns, interleaved, {args.replicas} replicas, "
           f"model {args.model or 'default'}")
-    print("| router | prompt blocks | prefix-cache hits | hit rate | vs " + baseline.router + " | replicas answering | s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| router | prompt blocks | prefix-cache hits | hit rate | vs " + baseline.router + " | replicas answering | "
+          "conversations on one replica | s |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         ratio = r.hit_rate / baseline.hit_rate if baseline.hit_rate else float("inf")
         print(f"| {r.router} | {r.prompt_blocks} | {r.hit_blocks} | {r.hit_rate:.1%} | {ratio:.2f}x | "
-              f"{r.replicas_used} | {r.seconds:.1f} |")
+              f"{r.replicas_used} | {r.num_conversations_on_one_replica}/{args.conversations} | {r.seconds:.1f} |")
 
 
 if __name__ == "__main__":

@@ -92,9 +92,9 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         return cached[1]
 
     def _is_imbalanced(self, candidate_replicas: list[RunningReplica]) -> bool:
-        """From the queue lengths Ray already knows (probes and its own sends); unknown ones are left out."""
-        lengths = [self.replica_queue_len_cache.get(r.replica_id) for r in candidate_replicas]
-        lengths = [n for n in lengths if n is not None]
+        """From the queue lengths Ray already knows (its probes, and each request it sends counts at once). A replica
+        with none known lately counts as idle: it has been sent nothing for a while."""
+        lengths = [self.replica_queue_len_cache.get(r.replica_id) or 0 for r in candidate_replicas]
         return len(lengths) >= 2 and max(lengths) - min(lengths) > self.imbalanced_threshold
 
     def _two_choices(self, candidate_replicas: list[RunningReplica]) -> list[list[RunningReplica]]:
