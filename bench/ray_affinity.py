@@ -37,6 +37,7 @@ class Result:
     seconds: float
     replicas_used: int
     num_conversations_on_one_replica: int  # conversations whose every turn ran on the same replica
+    ideal_blocks: int  # the most that could hit: each turn's blocks of the turn before (its prompt and answer)
 
     @property
     def hit_rate(self) -> float:
@@ -49,19 +50,20 @@ def text(seed: int, num_words: int) -> str:
 
 
 async def run_conversations(base_url: str, num_conversations: int = 8, num_turns: int = 4, max_tokens: int = 16,
-                            seed: int = 0, api_key: str = "unused") -> tuple[int, int, list[list[str]]]:
+                            seed: int = 0, api_key: str = "unused") -> tuple[int, int, list[list[str]], int]:
     """Send the conversations, interleaved; returns (prompt blocks sent, hit blocks added, for each conversation
-    the replicas that answered its turns)."""
+    the replicas that answered its turns, the most blocks that could have hit)."""
     headers = {"Authorization": f"Bearer {api_key}"}
     async with httpx.AsyncClient(base_url=base_url, timeout=600, headers=headers) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         before = await prefix_cache_hits(client)
         chats = [[{"role": "system", "content": f"Conversation {seed}-{c}. " + text(seed * 1000 + c, 12)}]
                  for c in range(num_conversations)]
-        prompt_blocks, replicas = 0, [[] for _ in chats]
+        prompt_blocks, ideal_blocks, replicas = 0, 0, [[] for _ in chats]
+        previous = [0] * len(chats)  # tokens of each conversation's last prompt and answer, as the engine cached them
 
         async def turn(chat: list[dict], t: int, c: int) -> None:
-            nonlocal prompt_blocks
+            nonlocal prompt_blocks, ideal_blocks
             chat.append({"role": "user", "content": text(seed * 1000 + 100 * t + c, 40)})
             body = {"model": model, "messages": chat, "max_tokens": max_tokens, "temperature": 0,
                     "ignore_eos": True}
@@ -69,13 +71,17 @@ async def run_conversations(base_url: str, num_conversations: int = 8, num_turns
             response.raise_for_status()
             answer = response.json()
             chat.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
-            prompt_blocks += (answer["usage"]["prompt_tokens"] - 1) // BLOCK_SIZE  # as the scheduler looks them up
+            usage = answer["usage"]
+            prompt_blocks += (usage["prompt_tokens"] - 1) // BLOCK_SIZE  # as the scheduler looks them up
+            # The engine caches the blocks its last step computed: all but the answer's last token.
+            ideal_blocks += min(max(previous[c] - 1, 0) // BLOCK_SIZE, (usage["prompt_tokens"] - 1) // BLOCK_SIZE)
+            previous[c] = usage["total_tokens"]
             replicas[c].append(response.headers.get("x-tern-replica", "?"))
 
         for t in range(num_turns):
             await asyncio.gather(*(turn(chat, t, c) for c, chat in enumerate(chats)))
         await asyncio.sleep(0.1)
-        return prompt_blocks, await prefix_cache_hits(client) - before, replicas
+        return prompt_blocks, await prefix_cache_hits(client) - before, replicas, ideal_blocks
 
 
 async def prefix_cache_hits(client: httpx.AsyncClient) -> int:
@@ -92,10 +98,10 @@ def measure(router: str, base_url: str, deploy, seed: int, **options) -> Result:
     deploy(router)
     try:
         started = time.perf_counter()
-        prompt_blocks, hits, replicas = asyncio.run(run_conversations(base_url, seed=seed, **options))
+        prompt_blocks, hits, replicas, ideal = asyncio.run(run_conversations(base_url, seed=seed, **options))
         return Result(router, hits, prompt_blocks, options.get("num_conversations", 8) * options.get("num_turns", 4),
                       time.perf_counter() - started, len({r for turns in replicas for r in turns}),
-                      sum(len(set(turns)) == 1 for turns in replicas))
+                      sum(len(set(turns)) == 1 for turns in replicas), ideal)
     finally:
         serve.delete("tern")
 
@@ -141,12 +147,13 @@ def main() -> None:
     baseline = results[0]
     print(f"{args.conversations} conversations x {args.turns} turns, interleaved, {args.replicas} replicas, "
           f"model {args.model or 'default'}")
-    print("| router | prompt blocks | prefix-cache hits | hit rate | vs " + baseline.router + " | replicas answering | "
-          "conversations on one replica | s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| router | prompt blocks | prefix-cache hits | hit rate | vs " + baseline.router + " | of the most possible | "
+          "replicas answering | conversations on one replica | s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ratio = r.hit_rate / baseline.hit_rate if baseline.hit_rate else float("inf")
         print(f"| {r.router} | {r.prompt_blocks} | {r.hit_blocks} | {r.hit_rate:.1%} | {ratio:.2f}x | "
+              f"{r.hit_blocks / r.ideal_blocks:.0%} of {r.ideal_blocks} | "
               f"{r.replicas_used} | {r.num_conversations_on_one_replica}/{args.conversations} | {r.seconds:.1f} |")
 
 

@@ -139,6 +139,15 @@ def build_app(server, engine_config, scale: ScaleSettings):
     ).bind(replicas, board, server, engine_config)
 
 
+def app_builder(args: dict):
+    """For a Serve config file (KubeRay's serveConfigV2, `serve deploy`): `import_path: deploy.ray_serve:app_builder`
+    with `args: {flags: "--replicas 2 --num-cpus 1 ..."}`, the same flags as this command's."""
+    import shlex
+
+    server, engine_config, scale = parse_args(shlex.split(args.get("flags", "")))
+    return build_app(server, engine_config, scale)
+
+
 def connect(scale: ScaleSettings) -> bool:
     """Join the cluster, or start a local one; True if this process started it (and so stops it)."""
     import ray
