@@ -242,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     app = create_app(server, engine_config)
+    # h11 and asyncio whatever else is installed: uvicorn's "auto" picks httptools and uvloop when present (Ray
+    # brings them, requirements-ray.txt), and the server would then parse and schedule differently from the image.
     config = uvicorn.Config(app, host=server.host, port=server.port, log_level=server.log_level,
-                            timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
+                            timeout_graceful_shutdown=FLUSH_TIMEOUT_S, http="h11", loop="asyncio")
     DrainingServer(config, app.state.handle, server.drain_timeout_s).run()  # returns once drained
     return 0
 

@@ -132,6 +132,7 @@ def build_app(server, engine_config, scale: ScaleSettings):
         graceful_shutdown_timeout_s=server.drain_timeout_s + 15, graceful_shutdown_wait_loop_s=1.0,
         health_check_period_s=5.0, health_check_timeout_s=30.0,
         request_router_config=router,
+        logging_config={"enable_access_log": False},  # each replica's app logs its requests itself
     ).bind(server, engine_config, board, scale.threads_per_replica)
     return serve.deployment(TernIngress, name="TernIngress").options(
         num_replicas=scale.ingress_replicas, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0},
