@@ -85,8 +85,17 @@ def test_every_replica_full_is_a_429_in_openais_shape_and_the_next_request_is_se
     assert again.status_code == 200
 
 
+def wait_until_idle(base_url: str, timeout_s: float = 30.0) -> float:
+    """Until no replica reports a running request (reports are up to a second old); returns the last count."""
+    deadline = time.monotonic() + timeout_s
+    while (running := metric_sum(base_url, "tern_num_requests_running")[0]) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return running
+
+
 def test_a_client_that_disconnects_has_its_request_aborted_on_the_replica(base_url):
     headers = {"Authorization": f"Bearer {KEY}"}
+    assert wait_until_idle(base_url) == 0  # what earlier tests sent has ended
     with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=chat(stream=True, max_tokens=3000,
                       ignore_eos=True), headers=headers, timeout=TIMEOUT_S) as response:
         assert response.status_code == 200
@@ -98,10 +107,7 @@ def test_a_client_that_disconnects_has_its_request_aborted_on_the_replica(base_u
             time.sleep(0.2)
         assert metric_sum(base_url, "tern_num_requests_running")[0] == 1
     # Closed after one chunk, thousands of tokens before its end: the replica's engine must drop it.
-    deadline = time.monotonic() + 20
-    while metric_sum(base_url, "tern_num_requests_running")[0] and time.monotonic() < deadline:
-        time.sleep(0.25)
-    assert metric_sum(base_url, "tern_num_requests_running")[0] == 0
+    assert wait_until_idle(base_url, timeout_s=20) == 0
 
 
 def test_a_killed_replica_fails_its_requests_cleanly_the_other_serves_and_ray_restarts_it(base_url):
