@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 APP_NAME = "tern"
 UI_HEADROOM = 8  # ongoing requests a replica takes beyond its engine's queue: UI streams, probes, /v1/models
+MAX_QUEUED_REQUESTS = 1024  # per ingress replica, waiting for a replica with room
 DEFAULT_OBJECT_STORE_BYTES = 256 * 1024 * 1024  # a local cluster's; replicas pass only requests and tokens through it
 ROUTERS = ("prefix", "pow2")
 
@@ -125,10 +126,12 @@ def build_app(server, engine_config, scale: ScaleSettings):
             # Read by libgomp when the process starts, before torch.set_num_threads in the replica can act.
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(scale.threads_per_replica)}},
         },
-        # Tern's own 429 (--max-waiting) is the limit a client meets; Ray's queue in front of the replicas only
-        # absorbs bursts, and past max_queued_requests the ingress answers 429 too.
+        # Tern's own 429 (--max-waiting) is the limit a client meets: a replica holds its engine's running and
+        # waiting requests, and refuses the next at once. Ray's queue in front of the replicas absorbs bursts: every
+        # request waits in it for a moment while Ray picks a replica, so a small bound would refuse a page's dozen
+        # asset requests; past MAX_QUEUED_REQUESTS the ingress answers 429 too.
         max_ongoing_requests=engine_config.max_num_seqs + engine_config.max_waiting + UI_HEADROOM,
-        max_queued_requests=engine_config.max_waiting,
+        max_queued_requests=MAX_QUEUED_REQUESTS,
         graceful_shutdown_timeout_s=server.drain_timeout_s + 15, graceful_shutdown_wait_loop_s=1.0,
         health_check_period_s=5.0, health_check_timeout_s=30.0,
         request_router_config=router,

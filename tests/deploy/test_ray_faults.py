@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from conftest import deploy_on_ray, undeploy_from_ray
+from conftest import ARTIFACTS, deploy_on_ray, undeploy_from_ray
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "e2e"))
+from test_browser import CHROMIUM, CHROMIUM_ARGS, LAST_BOT_TEXT, TIMEOUT_MS  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +66,35 @@ def test_metrics_merge_every_replica_and_answers_name_their_replica(base_url, cl
     response = client.chat.completions.with_raw_response.create(**chat(max_tokens=2))
     assert response.headers["x-tern-replica"]  # which replica answered
     assert response.parse().choices[0].finish_reason == "length"
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is missing: `make chromium` installs it")
+def test_a_person_logs_in_to_the_ui_through_ray_and_chats(base_url):
+    """Gradio keeps a login (and the queue's events) in the memory of one replica: the page's cookie keeps the browser
+    there, or the login would count on one replica and the chat be refused by the other."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(TIMEOUT_MS)
+            page.goto(base_url)
+            page.get_by_text("enter it as the password").wait_for()  # Tern's login message, not the UI
+            page.get_by_label("username").fill("me")
+            page.get_by_label("password").fill(KEY)
+            page.get_by_role("button", name="Login").click()
+            page.wait_for_selector("#chat-input textarea")
+            page.fill("#chat-input textarea", "Where do terns nest?")
+            page.click("#chat-send")
+            page.wait_for_function(f"() => ({LAST_BOT_TEXT})().trim().length >= 5")  # a random model: any reply
+            assert {c["name"] for c in page.context.cookies()} >= {"tern-replica"}
+        except Exception:
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "ui-ray-login-failure.png"), full_page=True)
+            raise
+        finally:
+            browser.close()
 
 
 def test_every_replica_full_is_a_429_in_openais_shape_and_the_next_request_is_served(base_url):
@@ -121,8 +156,10 @@ def test_a_killed_replica_fails_its_requests_cleanly_the_other_serves_and_ray_re
             outcome: dict[int, str] = {}
 
             async def stream(i: int) -> None:
+                # A system prompt of its own: no prefix in common, so the streams spread over both replicas.
                 body = {"model": "tern-tiny", "stream": True, "max_tokens": 1200, "ignore_eos": True,
-                        "messages": [{"role": "user", "content": f"Stream {i} about terns."}]}
+                        "messages": [{"role": "system", "content": f"Stream {i}."},
+                                     {"role": "user", "content": "Tell me about terns."}]}
                 async with http.stream("POST", "/v1/chat/completions", json=body) as response:
                     started[i] = response.headers.get("x-tern-replica", f"none: {response.status_code}")
                     lines = [line async for line in response.aiter_lines()]
