@@ -86,7 +86,7 @@ async def run_conversations(base_url: str, num_conversations: int = 8, num_turns
 
 async def prefix_cache_hits(client: httpx.AsyncClient) -> int:
     """tern_prefix_cache_hits summed over every replica (the ingress merges their metrics, a second late at most)."""
-    await asyncio.sleep(2.5)  # replicas report their metrics each second: wait for a report after the last request
+    await asyncio.sleep(2.0)  # replicas report their metrics each second: wait for a report after the last request
     text_ = (await client.get("/metrics")).text
     return int(sum(float(v) for v in re.findall(r"^tern_prefix_cache_hits_total\{[^}]*\} (\S+)$", text_, re.M)))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 from ray.serve.request_router import LocalityMixin, MultiplexMixin
@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 PREFIX_HASHES_STAT = "prefix_hashes"  # the key of the replicas' routing stats this router reads
 _MAX_REMEMBERED_BLOCKS = 200_000  # ~10 MB of hashes: beyond it the least recently routed are forgotten
+_CHOICE_TTL_S = 5.0  # a choice not followed by a send within this long is dropped
 
 
 class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
@@ -36,6 +37,8 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.memory_s = memory_s
         self._routed: OrderedDict[bytes, dict[str, float]] = OrderedDict()  # block hash -> replica -> when sent
         self._reported: dict[str, tuple[dict, frozenset[bytes]]] = {}  # replica -> (its last stats, their hashes)
+        self._in_flight: dict[str, set[str]] = {}  # replica -> requests this router sent it that have not ended
+        self._chosen: dict[str, tuple[str, float]] = {}  # request -> (replica chosen for it, when), until it is sent
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -52,10 +55,16 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 best = max(matched.values(), default=0)
                 if best > 0:
                     first = [by_id[rid] for rid, n in matched.items() if n == best]
+                    # Counted as that replica's load from now on: the requests of a burst are routed before any of
+                    # them is sent, and each must see the ones chosen before it.
+                    self._chosen[pending_request.metadata.internal_request_id] = (
+                        first[0].replica_id.unique_id, time.monotonic())
                     return [first, [r for r in candidate_replicas if r not in first]]
         return self._two_choices(candidate_replicas)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        self._chosen.pop(pending_request.metadata.internal_request_id, None)
+        self._in_flight.setdefault(replica_id.unique_id, set()).add(pending_request.metadata.internal_request_id)
         request = _request_of(pending_request)
         if not isinstance(request, ForwardedRequest) or not request.prefix_hashes:
             return
@@ -66,9 +75,13 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         while len(self._routed) > _MAX_REMEMBERED_BLOCKS:
             self._routed.popitem(last=False)
 
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._in_flight.get(replica_id.unique_id, set()).discard(internal_request_id)
+
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._reported.pop(replica_id.unique_id, None)
+        self._in_flight.pop(replica_id.unique_id, None)
         for replicas in self._routed.values():
             replicas.pop(replica_id.unique_id, None)
 
@@ -92,9 +105,16 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         return cached[1]
 
     def _is_imbalanced(self, candidate_replicas: list[RunningReplica]) -> bool:
-        """From the queue lengths Ray already knows (its probes, and each request it sends counts at once). A replica
-        with none known lately counts as idle: it has been sent nothing for a while."""
-        lengths = [self.replica_queue_len_cache.get(r.replica_id) or 0 for r in candidate_replicas]
+        """A replica's load: the requests this router has in flight on it, or what Ray last learnt from the replica
+        (which counts other callers' requests too), whichever is more. Ray's figure alone lags: a probe answered
+        before the replica has counted the requests on their way resets it, and a burst all went one way."""
+        oldest = time.monotonic() - _CHOICE_TTL_S
+        for request_id, (_, when) in list(self._chosen.items()):
+            if when < oldest:  # never sent (cancelled, or Ray took another replica's rank): forget it
+                del self._chosen[request_id]
+        chosen = Counter(rid for rid, _ in self._chosen.values())
+        lengths = [max(len(self._in_flight.get(r.replica_id.unique_id, ())) + chosen[r.replica_id.unique_id],
+                       self.replica_queue_len_cache.get(r.replica_id) or 0) for r in candidate_replicas]
         return len(lengths) >= 2 and max(lengths) - min(lengths) > self.imbalanced_threshold
 
     def _two_choices(self, candidate_replicas: list[RunningReplica]) -> list[list[RunningReplica]]:

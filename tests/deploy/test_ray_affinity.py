@@ -66,7 +66,8 @@ def test_load_wins_over_affinity_once_the_replica_holding_the_prefix_is_busier(r
         holder, replicas = asyncio.run(run())
     finally:
         undeploy_from_ray()
-    # All 8 share the holder's prefix: affinity alone would send every one there. Past 2 more requests than the other
-    # replica, load decides, so the other replica takes some; the holder still takes the most.
-    others = [r for r in replicas if r != holder]
-    assert others and replicas.count(holder) > len(others), (holder, replicas)
+    # All 8 share the holder's prefix: affinity alone would send every one there (8 to 0). Once the holder has more
+    # than 2 requests more than the other replica, load decides (Ray's two choices), so the two stay close: within 4,
+    # allowing for the requests of the burst that Ray placed on probes not yet counting the ones before them.
+    held, others = replicas.count(holder), len(replicas) - replicas.count(holder)
+    assert abs(held - others) <= 4, (holder, replicas)

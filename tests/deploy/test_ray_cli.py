@@ -47,7 +47,7 @@ def test_the_command_serves_then_drains_on_sigterm_and_exits_0(tiny_checkpoint):
 
         def stream() -> None:
             body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about terns."}],
-                    "max_tokens": 1500, "ignore_eos": True, "stream": True}
+                    "max_tokens": 1000, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as response:
                 for line in response.iter_lines():
                     if line.startswith("data: "):
