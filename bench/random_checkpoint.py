@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 from pathlib import Path
 
 import torch
+
+# Run as a script, this folder comes first on sys.path, and bench/kernels.py then shadows the `kernels` package that
+# transformers tries to import (it fails in a circular import). Nothing here imports from this folder.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
 
 SIZES = {
     # A few MB, loads in about a second: for tests and benchmarks of what sits around the engine (routing, Ray)
