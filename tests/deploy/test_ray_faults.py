@@ -149,6 +149,7 @@ def test_a_killed_replica_fails_its_requests_cleanly_the_other_serves_and_ray_re
     import ray
 
     headers = {"Authorization": f"Bearer {KEY}"}
+    assert wait_until_idle(base_url, timeout_s=60) == 0  # the UI test's reply may still be generating
 
     async def load():
         async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=TIMEOUT_S) as http:
@@ -168,9 +169,11 @@ def test_a_killed_replica_fails_its_requests_cleanly_the_other_serves_and_ray_re
                 errors = [json.loads(e[6:]) for e in events[:-1] if '"error"' in e]
                 outcome[i] = "error" if errors else json.loads(events[-2][6:])["choices"][0]["finish_reason"]
 
-            tasks = [asyncio.create_task(stream(i)) for i in range(4)]
-            while len(started) < 4 and not all(t.done() for t in tasks):
-                await asyncio.sleep(0.05)
+            tasks = []
+            for i in range(4):  # one after the other, so that each is placed knowing where the others run
+                tasks.append(asyncio.create_task(stream(i)))
+                while i not in started and not tasks[-1].done():
+                    await asyncio.sleep(0.05)
             victim = started[0]
             ray.kill(ray.get_actor(f"SERVE_REPLICA::tern#TernReplica#{victim}", namespace="serve"), no_restart=True)
             # Meanwhile new requests go to the survivor, and are answered.
