@@ -16,7 +16,9 @@ from api.generation import Generation, Sample, until_disconnected
 from api.logprobs import chat_logprobs, visible_logprobs
 from api.protocol import ChatCompletionRequest, ChatMessage, template_messages
 from api.response_format import AnswerFormat, chat_format, grammar_for
-from api.bodies import ChatChoice, ChatCompletion, ChatCompletionChunk, ChatMessageOut, streamed
+from api.bodies import (
+    ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatMessageOut, streamed,
+)
 from api.server import Server
 from api.sse import event_stream
 
@@ -93,7 +95,7 @@ def prompt_ids_for(engine: Engine, messages: list[ChatMessage] | list[dict],
 def _choice(sample: Sample, want_logprobs: bool, engine: Engine, tools: tool_calls.Tools) -> ChatChoice:
     logprobs = None
     if want_logprobs:
-        entries = visible_logprobs(sample.logprobs, sample.finish_reason, sample.stop_reason)
+        entries = visible_logprobs(sample.logprobs or [], sample.finish_reason, sample.stop_reason)
         logprobs = {"content": chat_logprobs(entries, engine.tokenizer), "refusal": None}
     content, calls = sample.text, None
     if tools.parses_calls:
@@ -115,16 +117,17 @@ def _tool_call(call: tool_calls.CallOut) -> dict:
 
 
 async def _chunks(generation: Generation, head: dict, body: ChatCompletionRequest, engine: Engine,
-                  tools: tool_calls.Tools) -> AsyncIterator[dict]:
+                  tools: tool_calls.Tools) -> AsyncIterator[ChatCompletionChunk]:
     """OpenAI's sequence per choice: a role delta, content (or tool-call) deltas, an empty delta with
-    finish_reason; then the usage chunk (choices: []) when asked for, with usage null on every other chunk."""
+    finish_reason; then the usage chunk (choices: []) when asked for, with usage null on every other chunk.
+    Chunks are the models /openapi.json shows, sent with the fields they were built with (api/sse.py)."""
     base = {**head, "object": "chat.completion.chunk"}
     usage = {"usage": None} if body.include_usage else {}
     replies = {s.index: tool_calls.ReplySplitter() for s in generation.samples} if tools.parses_calls else {}
 
-    def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {**base, "choices": [choice], **usage}
+    def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None):
+        choice = ChatChunkChoice(index=index, delta=ChatDelta(**delta), logprobs=logprobs, finish_reason=finish_reason)
+        return ChatCompletionChunk(**base, choices=[choice], **usage)
 
     try:
         for sample in generation.samples:
@@ -145,7 +148,7 @@ async def _chunks(generation: Generation, head: dict, body: ChatCompletionReques
                 has_calls = reply is not None and bool(reply.calls)
                 yield chunk(sample.index, {}, tool_calls.finish_reason(out.finish_reason, has_calls))
         if body.include_usage:
-            yield {**base, "choices": [], "usage": generation.usage()}
+            yield ChatCompletionChunk(**base, choices=[], usage=generation.usage())
     finally:
         generation.abort()  # a client gone before the first output never entered outputs()
 
