@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: render the chat template, generate, answer as one JSON body or as SSE chunks."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -76,20 +77,30 @@ def chat_tools(body: ChatCompletionRequest) -> tool_calls.Tools:
 
 def chat_text(engine: Engine, messages: list[ChatMessage] | list[dict], add_generation_prompt: bool = True,
               tools: tool_calls.Tools = tool_calls.NO_TOOLS) -> str:
-    """Chat messages rendered through the model's chat template."""
-    rendered = messages if not messages or isinstance(messages[0], dict) else template_messages(messages)
-    try:
-        return engine.tokenizer.render_chat(rendered, add_generation_prompt, tools.functions)
-    except EngineError:
-        raise
-    except Exception as exc:  # the template refused these messages (e.g. "roles must alternate") or choked on them
-        raise OpenAIError(400, f"The chat template could not render these messages: {exc}", param="messages") from exc
+    """Chat messages rendered through the model's chat template (what /tokenize shows)."""
+    with _template_refusals():
+        return engine.tokenizer.render_chat(_as_dicts(messages), add_generation_prompt, tools.functions)
 
 
 def prompt_ids_for(engine: Engine, messages: list[ChatMessage] | list[dict],
                    tools: tool_calls.Tools = tool_calls.NO_TOOLS) -> list[int]:
-    # The rendered template already holds the special tokens (BOS included): adding them again would double them.
-    return engine.tokenizer.encode(chat_text(engine, messages, tools=tools), add_special_tokens=False)
+    """The prompt the engine runs for these messages: the same function renders the UI's chats."""
+    with _template_refusals():
+        return engine.tokenizer.chat_prompt_ids(_as_dicts(messages), tools.functions)
+
+
+def _as_dicts(messages: list[ChatMessage] | list[dict]) -> list[dict]:
+    return messages if not messages or isinstance(messages[0], dict) else template_messages(messages)
+
+
+@contextlib.contextmanager
+def _template_refusals():
+    try:
+        yield
+    except EngineError:
+        raise
+    except Exception as exc:  # the template refused these messages (e.g. "roles must alternate") or choked on them
+        raise OpenAIError(400, f"The chat template could not render these messages: {exc}", param="messages") from exc
 
 
 def _choice(sample: Sample, want_logprobs: bool, engine: Engine, tools: tool_calls.Tools) -> ChatChoice:
