@@ -18,13 +18,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) 
     logits = mask_logits(logits, [seq.grammar for seq in seqs])
     want_logprobs = [seq.params.logprobs is not None for seq in seqs]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-    logits = _process(logits, seqs, eos_ids)
+    logits = adjust_logits(logits, seqs, eos_ids)
 
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
-        probs = _probabilities(logits[rows], [seqs[i] for i in random_rows])
+        probs = to_probabilities(logits[rows], [seqs[i] for i in random_rows])
         for j, i in enumerate(random_rows):
             token_ids[i] = _draw(probs[j], seqs[i].generator)
 
@@ -47,8 +47,9 @@ def token_logprob(row_logprobs: torch.Tensor, token_id: int, num_top: int) -> To
     return TokenLogprob(token_id, float(row_logprobs[token_id]), top)
 
 
-def _process(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) -> torch.Tensor:
-    """Penalties, logit_bias and min_tokens, row by row; only rows that ask for them pay for them."""
+def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) -> torch.Tensor:
+    """Penalties, logit_bias and min_tokens, row by row; only rows that ask for them pay for them. What greedy
+    rows take the argmax of, and random rows' input to to_probabilities (tests hold each stage to a reference)."""
     cloned = False
     for i, seq in enumerate(seqs):
         params = seq.params
@@ -79,8 +80,8 @@ def _process(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]
     return logits
 
 
-def _probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p cuts, for the rows that sample at random."""
+def to_probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p cuts: the distribution each row that samples at random draws from."""
     temperatures = torch.tensor([s.params.temperature for s in seqs], device=logits.device, dtype=logits.dtype)
     logits = logits / temperatures[:, None]
     if any(s.params.has_truncation for s in seqs):
