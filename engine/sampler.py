@@ -48,7 +48,7 @@ def token_logprob(row_logprobs: torch.Tensor, token_id: int, num_top: int) -> To
 
 
 def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) -> torch.Tensor:
-    """Penalties, logit_bias and min_tokens, row by row; only rows that ask for them pay for them. What greedy
+    """logit_bias, penalties and min_tokens, row by row; only rows that ask for them pay for them. What greedy
     rows take the argmax of, and random rows' input to to_probabilities (tests hold each stage to a reference)."""
     cloned = False
     for i, seq in enumerate(seqs):
@@ -59,6 +59,9 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset
         if not cloned:
             logits, cloned = logits.clone(), True
         row = logits[i]
+        # vLLM's order (vllm/v1/sample/sampler.py): the bias first, then the penalties see the biased logits.
+        for token_id, bias in params.logit_bias.items():
+            row[token_id] += bias
         if params.repetition_penalty != 1.0:
             # As transformers and vLLM: over prompt and output, shrink positive logits and grow negative ones.
             seen = torch.tensor(sorted(set(seq.token_ids)), device=row.device, dtype=torch.long)
@@ -69,8 +72,6 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset
             output = torch.tensor(seq.output_ids, device=row.device, dtype=torch.long)
             counts = torch.bincount(output, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
             row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
-        for token_id, bias in params.logit_bias.items():
-            row[token_id] += bias
         if banned:
             ended = torch.tensor([*eos_ids, *params.stop_token_ids], device=row.device, dtype=torch.long)
             kept = row[ended].clone()
@@ -81,7 +82,8 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset
 
 
 def to_probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p cuts: the distribution each row that samples at random draws from."""
+    """Temperature, then the min-p, top-k and top-p cuts in vLLM's and transformers' order, top-p measured on what
+    the others left: the distribution each row that samples at random draws from."""
     temperatures = torch.tensor([s.params.temperature for s in seqs], device=logits.device, dtype=logits.dtype)
     logits = logits / temperatures[:, None]
     if any(s.params.has_truncation for s in seqs):
@@ -98,13 +100,14 @@ def _truncate(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device)[None, :]
-    remove = ranks >= top_k[:, None]
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    remove |= mass_before >= top_p[:, None]
-    remove |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
+    remove = (ranks >= top_k[:, None]) | (sorted_probs < min_p[:, None] * sorted_probs[:, :1])
     remove[:, 0] = False  # the most likely token always survives
+    # Top-p on what top-k and min-p left, renormalised: keep the smallest prefix whose mass reaches top_p (a token
+    # goes when the mass before it already does).
+    kept_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+    remove |= kept_probs.cumsum(dim=-1) - kept_probs >= top_p[:, None]
+    remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 

@@ -1,9 +1,9 @@
 """The sampler on hand-made logits, held to a plain reference written here: penalties and logit_bias, temperature,
 top-k, top-p and min-p at ordinary values, the order they apply in, greedy picks and the draw itself.
 
-The reference follows vLLM's documented order (vllm/v1/sample/sampler.py, the Sampler's docstring): penalties, then
-temperature, then min-p, then top-k and top-p, each cut measured on what the cuts before it left. Where Tern's
-sampler departs from that order the test says so and is marked xfail.
+The reference follows vLLM's documented order (vllm/v1/sample/sampler.py, the Sampler's docstring): logit_bias, then
+the penalties, then temperature, then min-p, then top-k and top-p, each cut measured on what the cuts before it
+left.
 """
 from __future__ import annotations
 
@@ -40,24 +40,21 @@ def _softmax(logits: list[float]) -> list[float]:
 
 
 def _reference_adjusted(logits, prompt_ids=PROMPT_IDS, output_ids=OUTPUT_IDS, repetition_penalty=1.0,
-                        presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, bias_first=False) -> list[float]:
+                        presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None) -> list[float]:
     """The penalties as vLLM and OpenAI define them: repetition over prompt and output (a positive logit divided by
-    it, a negative one multiplied); frequency once per occurrence and presence once, over the output only. Tern adds
-    logit_bias after them; bias_first=True is vLLM's order."""
+    it, a negative one multiplied); frequency once per occurrence and presence once, over the output only; logit_bias
+    before all of them, as vLLM adds it."""
     logit_bias = logit_bias or {}
     seen = set(prompt_ids) | set(output_ids)
     adjusted = []
     for token_id, x in enumerate(logits):
-        if bias_first:
-            x += logit_bias.get(token_id, 0.0)
+        x += logit_bias.get(token_id, 0.0)
         if token_id in seen:
             x = x / repetition_penalty if x > 0 else x * repetition_penalty
         count = output_ids.count(token_id)
         x -= frequency_penalty * count
         if count:
             x -= presence_penalty
-        if not bias_first:
-            x += logit_bias.get(token_id, 0.0)
         adjusted.append(x)
     return adjusted
 
@@ -125,15 +122,13 @@ def test_each_row_gets_its_own_penalties_and_others_are_untouched():
     assert logits.tolist() == [LOGITS] * 3  # the caller's logits (the runner's buffer) are left as they were
 
 
-@pytest.mark.xfail(strict=True, reason="Tern adds logit_bias after the penalties; vLLM v1 applies the logit-bias "
-                   "processor before them (vllm/v1/sample/sampler.py, steps 5 and 6), which differs under a "
-                   "repetition_penalty")
 def test_logit_bias_applies_before_the_repetition_penalty_as_in_vllm():
+    # Token 0 (logit 1.0, seen): biased by -2 to -1.0, then the penalty multiplies it to -2.0. Added after the
+    # penalty (Tern's order until this test), it would be 1.0 / 2 - 2 = -1.5.
     params = dict(repetition_penalty=2.0, logit_bias={0: -2.0, 1: 1.0})
-    expected = _reference_adjusted(LOGITS, bias_first=True, **params)
-    assert expected != pytest.approx(_reference_adjusted(LOGITS, **params))  # the two orders differ here
     adjusted = adjust_logits(_row(LOGITS), [_seq(**params)], EOS_IDS)
-    assert adjusted[0].tolist() == pytest.approx(expected, abs=1e-6)
+    assert adjusted[0, 0].item() == pytest.approx(-2.0)
+    assert adjusted[0].tolist() == pytest.approx(_reference_adjusted(LOGITS, **params), abs=1e-6)
 
 
 # Temperature and truncation
@@ -176,9 +171,6 @@ def test_each_row_gets_its_own_temperature_and_cuts():
         assert row == pytest.approx(_reference_probs(LOGITS, **params), abs=1e-6), params
 
 
-@pytest.mark.xfail(strict=True, reason="Tern measures top_p on the whole (temperature-scaled) distribution; vLLM "
-                   "and transformers measure it on what top-k and min-p left, renormalised, so Tern keeps more tokens "
-                   "when top_p is combined with either")
 @pytest.mark.parametrize("params", [dict(top_k=2, top_p=0.5), dict(min_p=0.6, top_p=0.5)])
 def test_top_p_is_measured_on_what_top_k_and_min_p_left_as_in_vllm(params):
     probs4 = [0.4, 0.3, 0.2, 0.1]
