@@ -1,6 +1,6 @@
 """Chat tab: multi-turn streaming chat with a system prompt, sampling controls, an optional JSON schema for the
-reply, Stop / Retry / Clear and a view of each token's probability. Handlers take the EngineHandle first;
-build_chat_tab binds it."""
+reply, Stop / Retry / Clear (one reply at a time: sending is locked while one streams) and a view of each token's
+probability. Handlers take the EngineHandle first; build_chat_tab binds it."""
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +17,15 @@ from ui.tokens import LEGEND_HTML, render_tokens_html, token_views
 # History: a list of turns {"role": "user" | "assistant", "content": str, "tokens": list[TokenView] | None}; an
 # assistant turn made under a JSON schema also has "json_check": JsonCheck (ui/schema.py). "content" is always the
 # raw text: the chatbot shows a rendering of it; the prompt is built from it, never from the rendered HTML.
+
+INPUT_PLACEHOLDER = "Type a message and press Enter"
+BUSY_PLACEHOLDER = "Replying\u2026 wait for the reply to finish, or press Stop"
+# A disabled textbox loses the keyboard focus; give it back once the reply has ended, unless the user has since
+# put the focus somewhere else. A frame later: the textbox is enabled by then.
+REFOCUS_JS = """() => requestAnimationFrame(() => {
+  if (document.activeElement && document.activeElement !== document.body) return;
+  document.querySelector('#chat-input textarea')?.focus();
+})"""
 
 
 def add_user_message(message: str, history: list[dict], show_probs: bool) -> tuple:
@@ -91,6 +100,14 @@ def drop_last_reply(history: list[dict], show_probs: bool) -> tuple:
     return history, render_chatbot(history, show_probs), ""
 
 
+def input_updates(is_generating: bool) -> tuple:
+    """(textbox, Send, Retry) while a reply streams or once it has ended: one reply at a time per conversation, so
+    that no second generation races the first over the same history."""
+    placeholder = BUSY_PLACEHOLDER if is_generating else INPUT_PLACEHOLDER
+    return (gr.update(interactive=not is_generating, placeholder=placeholder),
+            gr.update(interactive=not is_generating), gr.update(interactive=not is_generating))
+
+
 def clear_chat() -> tuple:
     """-> (chatbot, history, notice), all empty."""
     return [], [], ""
@@ -132,7 +149,7 @@ def build_chat_tab(handle: EngineHandle) -> None:
             notice = gr.Markdown(elem_id="chat-notice")
             with gr.Row(equal_height=True):
                 message = gr.Textbox(
-                    placeholder="Type a message and press Enter", show_label=False, lines=1, max_lines=8,
+                    placeholder=INPUT_PLACEHOLDER, show_label=False, lines=1, max_lines=8,
                     scale=5, min_width=200, elem_id="chat-input", autofocus=True,
                 )
                 send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="chat-send")
@@ -168,6 +185,15 @@ def build_chat_tab(handle: EngineHandle) -> None:
         reply, reply_inputs, reply_outputs, concurrency_limit=None, show_progress="minimal"
     )
     generating = [*send_events, retry_event]
+    # One reply at a time: whatever starts one locks the textbox, Send and Retry in the same click, and they unlock
+    # when it ends. Gradio's front end runs a .then() after the event before it however that one ended: finished,
+    # failed, or cancelled by Stop or Clear.
+    locked = [message, send, retry]
+    for starting in (message.submit, send.click, retry.click):
+        starting(partial(input_updates, True), None, locked, queue=False, show_progress="hidden")
+    for event in generating:
+        event.then(partial(input_updates, False), None, locked, queue=False, show_progress="hidden").then(
+            None, js=REFOCUS_JS)
     stop.click(None, cancels=generating)
     for clearing in (clear.click, chatbot.clear):  # our button and the chatbot's own bin icon
         clearing(clear_chat, None, [chatbot, history, notice], cancels=generating, queue=False)
