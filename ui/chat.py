@@ -4,6 +4,7 @@ probability. Handlers take the EngineHandle first; build_chat_tab binds it."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from functools import partial
 
 import gradio as gr
@@ -28,6 +29,15 @@ REFOCUS_JS = """() => requestAnimationFrame(() => {
 })"""
 
 
+@dataclass
+class ChatSession:
+    """What the events of one browser tab share. It lives in a gr.State, and Gradio hands every event of that tab
+    the same object, so a reply that is streaming sees the tab's later clicks: it renders each update in the view
+    the "Show token probabilities" checkbox chose at that moment, so a toggle applies mid-stream."""
+
+    show_probs: bool = False
+
+
 def add_user_message(message: str, history: list[dict], show_probs: bool) -> tuple:
     """Append the typed message to the conversation and clear the textbox. -> (textbox, history, chatbot, notice)"""
     if not message or not message.strip():
@@ -40,7 +50,7 @@ async def generate_reply(
     handle: EngineHandle,
     history: list[dict],
     system_prompt: str,
-    show_probs: bool,
+    session: ChatSession,
     temperature: float,
     top_p: float,
     top_k: int,
@@ -50,16 +60,17 @@ async def generate_reply(
     schema_text: str = "",
 ):
     """Stream the assistant's answer to the last user turn. Yields (chatbot, history, notice) as tokens arrive.
-    With a JSON schema the reply is held to it, then shown indented with whether it validated.
+    With a JSON schema the reply is held to it, then shown indented with whether it validated. Each update renders
+    the chatbot in the view chosen at that moment (`session.show_probs` may change while the reply streams).
 
     Stop, closing the tab and Gradio's cancellation all end this generator early; `finally` then aborts the
     request so the engine frees its KV blocks."""
     if not history or history[-1]["role"] != "user":
-        yield render_chatbot(history, show_probs), history, ""
+        yield render_chatbot(history, session.show_probs), history, ""
         return
     engine = ready_engine(handle)
     if engine is None:
-        yield render_chatbot(history, show_probs), history, f"\u26a0\ufe0f {not_ready_message(handle)}"
+        yield render_chatbot(history, session.show_probs), history, f"\u26a0\ufe0f {not_ready_message(handle)}"
         return
     try:
         # Off the event loop: compiling a schema must not hold up the other users' streams.
@@ -68,7 +79,7 @@ async def generate_reply(
                                  grammar=schema.grammar if schema else None)
         stream = engine.submit(engine.tokenizer.chat_prompt_ids(build_messages(history, system_prompt)), params)
     except EngineError as exc:
-        yield render_chatbot(history, show_probs), history, report_error(exc)
+        yield render_chatbot(history, session.show_probs), history, report_error(exc)
         return
     reply = {"role": "assistant", "content": "", "tokens": []}
     if schema:
@@ -85,9 +96,9 @@ async def generate_reply(
                 notice = "\u26a0\ufe0f The server is shutting down: the reply was cut short."
             if schema and out.finish_reason:
                 reply["json_check"] = check_reply(reply["content"], schema.schema, out.finish_reason, params.max_tokens)
-            yield render_chatbot(history, show_probs), history, notice
+            yield render_chatbot(history, session.show_probs), history, notice
     except Exception as exc:  # a failure delivered mid-stream; the conversation so far stays usable
-        yield render_chatbot(history, show_probs), history, report_error(exc)
+        yield render_chatbot(history, session.show_probs), history, report_error(exc)
     finally:
         if not stream.finished:  # stopped early: free the engine's KV blocks now
             engine.abort(stream.request_id)
@@ -98,6 +109,13 @@ def drop_last_reply(history: list[dict], show_probs: bool) -> tuple:
     if history and history[-1]["role"] == "assistant":
         history = history[:-1]
     return history, render_chatbot(history, show_probs), ""
+
+
+def show_token_view(session: ChatSession, history: list[dict], show_probs: bool) -> tuple:
+    """The "Show token probabilities" checkbox: re-render the chatbot now, and tell a reply that is still streaming
+    to keep to the new view. -> (chatbot, legend)"""
+    session.show_probs = show_probs
+    return render_chatbot(history, show_probs), gr.update(visible=show_probs)
 
 
 def input_updates(is_generating: bool) -> tuple:
@@ -138,6 +156,7 @@ def render_chatbot(history: list[dict], show_probs: bool) -> list[dict]:
 def build_chat_tab(handle: EngineHandle) -> None:
     """Lay out the Chat tab and wire its events (inside a gr.Blocks context)."""
     history = gr.State([])
+    session = gr.State(ChatSession())  # deep-copied for each browser tab
     with gr.Row(equal_height=False):
         with gr.Column(scale=3, min_width=320):
             chatbot = gr.Chatbot(
@@ -173,7 +192,7 @@ def build_chat_tab(handle: EngineHandle) -> None:
                          "blank = free text. Asking for JSON in the message helps the model fill it in well.",
                 )
 
-    reply_inputs = [history, system_prompt, show_probs, *controls.inputs, schema_box]
+    reply_inputs = [history, system_prompt, session, *controls.inputs, schema_box]
     reply_outputs = [chatbot, history, notice]
     reply = partial(generate_reply, handle)
     send_events = [
@@ -197,7 +216,4 @@ def build_chat_tab(handle: EngineHandle) -> None:
     stop.click(None, cancels=generating)
     for clearing in (clear.click, chatbot.clear):  # our button and the chatbot's own bin icon
         clearing(clear_chat, None, [chatbot, history, notice], cancels=generating, queue=False)
-    show_probs.change(
-        lambda turns, on: (render_chatbot(turns, on), gr.update(visible=on)),
-        [history, show_probs], [chatbot, legend], queue=False,
-    )
+    show_probs.change(show_token_view, [session, history, show_probs], [chatbot, legend], queue=False)

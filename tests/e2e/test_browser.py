@@ -276,3 +276,27 @@ def test_no_second_message_while_a_reply_streams(page):
     wait_until_sending_is_possible(page)
     assert page.locator("#chat-log [data-testid=user]").count() == 2
     assert page.locator("#chat-log [data-testid=bot]").count() == 2
+
+
+def test_token_probabilities_switch_while_a_reply_streams(page):
+    checkbox = page.locator("#chat-show-probs input[type=checkbox]")
+    checkbox.uncheck()
+    start_long_reply(page)
+    tokens = page.locator("#chat-log [data-testid=bot] .tern-token")
+    checkbox.check()
+    tokens.first.wait_for()  # at once, not when the reply ends
+    assert page.locator("#chat-legend").is_visible()
+    # The reply keeps streaming, coloured token by token.
+    page.wait_for_function(
+        "n => document.querySelectorAll('#chat-log [data-testid=bot] .tern-token').length >= n",
+        arg=tokens.count() + 10,
+    )
+    assert page.locator("#chat-send").is_disabled()  # still replying
+    screenshot(page, "chat-token-probabilities-streaming")
+    checkbox.uncheck()
+    page.wait_for_function("() => !document.querySelector('#chat-log .tern-token')")
+    wait_for_more_reply(page, last_bot_text(page))  # plain text again, still streaming
+    assert tokens.count() == 0 and not page.locator("#chat-legend").is_visible()
+    page.click("#chat-stop")
+    wait_until_sending_is_possible(page)
+    set_number(page, "chat-max-tokens", "256")
