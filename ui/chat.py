@@ -33,9 +33,11 @@ REFOCUS_JS = """() => requestAnimationFrame(() => {
 class ChatSession:
     """What the events of one browser tab share. It lives in a gr.State, and Gradio hands every event of that tab
     the same object, so a reply that is streaming sees the tab's later clicks: it renders each update in the view
-    the "Show token probabilities" checkbox chose at that moment, so a toggle applies mid-stream."""
+    the "Show token probabilities" checkbox chose at that moment, so a toggle applies mid-stream; and it stops once
+    Clear has emptied the conversation it belongs to."""
 
     show_probs: bool = False
+    num_clears: int = 0
 
 
 def add_user_message(message: str, history: list[dict], show_probs: bool) -> tuple:
@@ -81,6 +83,7 @@ async def generate_reply(
     except EngineError as exc:
         yield render_chatbot(history, session.show_probs), history, report_error(exc)
         return
+    num_clears = session.num_clears
     reply = {"role": "assistant", "content": "", "tokens": []}
     if schema:
         reply["json_check"] = STREAMING
@@ -88,6 +91,10 @@ async def generate_reply(
     notice = ""
     try:
         async for out in stream:
+            # Clear cancels this generator, but Gradio does so in a separate request: a token that arrives first must
+            # not write the cleared conversation back into the chatbot and the history.
+            if session.num_clears != num_clears:
+                return
             reply["content"] += out.text
             reply["tokens"] += token_views(out.logprobs or [], engine.tokenizer.token_text, engine.tokenizer.eos_ids)
             if out.finish_reason == "length":
@@ -126,8 +133,9 @@ def input_updates(is_generating: bool) -> tuple:
             gr.update(interactive=not is_generating), gr.update(interactive=not is_generating))
 
 
-def clear_chat() -> tuple:
-    """-> (chatbot, history, notice), all empty."""
+def clear_chat(session: ChatSession) -> tuple:
+    """Empty the conversation, and end a reply still streaming into it. -> (chatbot, history, notice), all empty."""
+    session.num_clears += 1
     return [], [], ""
 
 
@@ -215,5 +223,5 @@ def build_chat_tab(handle: EngineHandle) -> None:
             None, js=REFOCUS_JS)
     stop.click(None, cancels=generating)
     for clearing in (clear.click, chatbot.clear):  # our button and the chatbot's own bin icon
-        clearing(clear_chat, None, [chatbot, history, notice], cancels=generating, queue=False)
+        clearing(clear_chat, [session], [chatbot, history, notice], cancels=generating, queue=False)
     show_probs.change(show_token_view, [session, history, show_probs], [chatbot, legend], queue=False)

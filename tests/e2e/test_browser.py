@@ -278,6 +278,23 @@ def test_no_second_message_while_a_reply_streams(page):
     assert page.locator("#chat-log [data-testid=bot]").count() == 2
 
 
+def test_clear_mid_stream_ends_the_reply_and_sending_works_again(page):
+    start_long_reply(page)
+    page.click("#chat-clear")
+    page.wait_for_function("() => !document.querySelector('#chat-log [data-testid=bot]')")
+    wait_until_sending_is_possible(page)
+    # The engine dropped the request: the Server tab's live load returns to zero running requests.
+    open_tab(page, "Server")
+    page.wait_for_function("() => /Running requests\\s*0\\b/.test(document.querySelector('#server-stats').innerText)")
+    open_tab(page, "Chat")
+    # Nothing came back after the clear, and the next message starts a new conversation.
+    assert page.locator("#chat-log [data-testid=bot]").count() == 0
+    page.fill("#chat-input textarea", "What is the capital of France?")
+    page.press("#chat-input textarea", "Enter")
+    wait_for_reply(page, "Paris")
+    assert page.locator("#chat-log [data-testid=user]").count() == 1
+
+
 def test_token_probabilities_switch_while_a_reply_streams(page):
     checkbox = page.locator("#chat-show-probs input[type=checkbox]")
     checkbox.uncheck()

@@ -137,7 +137,28 @@ def test_retry_regenerates_the_last_turn(handle):
 
 
 def test_clear_empties_the_conversation():
-    assert clear_chat() == ([], [], "")
+    assert clear_chat(ChatSession()) == ([], [], "")
+
+
+def test_clear_mid_stream_ends_the_reply_and_nothing_comes_back(handle):
+    """Clear races Gradio's cancellation of the reply: should tokens arrive first, the reply must not write the
+    cleared conversation back; it ends, and the engine drops the request."""
+    _, history, _, _ = add_user_message("Write a very long story about a dragon.", [], False)
+    session = ChatSession()
+
+    async def clear_after_two_updates():
+        replies = generate_reply(handle, history, *{**GREEDY, "session": session, "max_tokens": 100}.values())
+        await replies.__anext__()
+        await replies.__anext__()
+        cleared = clear_chat(session)
+        return cleared, [out async for out in replies]
+
+    cleared, after_clear = asyncio.run(clear_after_two_updates())
+    assert cleared == ([], [], "") and after_clear == []
+    wait_until_idle(handle.engine)
+    # The next conversation in the same tab is answered as usual.
+    _, history, _, _ = add_user_message("What is the capital of France?", [], False)
+    assert reply_of(chat(handle, history, session=session)[1]) == "The capital of France is Paris."
 
 
 def test_blank_message_is_not_sent():
