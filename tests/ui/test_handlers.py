@@ -22,8 +22,8 @@ from ui.server import describe_model, live_stats, model_facts, openai_snippet
 
 pytestmark = pytest.mark.slow
 
-GREEDY = dict(system_prompt="", session=ChatSession(), temperature=0.0, top_p=1.0, top_k=0, max_tokens=24, seed="", stop="",
-              schema_text="")
+GREEDY = dict(system_prompt="", session=ChatSession(), temperature=0.0, top_p=1.0, top_k=0, max_tokens=24, seed="",
+              stop="", schema_text="")
 CITY = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string", "maxLength": 30}},
