@@ -51,10 +51,18 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(tiny_engine_f
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, seed=1234, ignore_eos=True)
     target = _prompts(1, seed=7)[0]
     alone = engine.generate([target], params)[0].choices[0].token_ids
-    crowd = engine.generate(_prompts(5) + [target], SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True))
-    [in_crowd] = [c for c in engine.generate([*_prompts(3, seed=3), target], params)][-1:]
+    # Among unseeded random requests, which draw in the same steps from generators of their own.
+    unseeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    streams = [engine.submit(p, unseeded) for p in _prompts(5)]
+    streams.insert(2, engine.submit(target, params))
+    crowd = [list(stream) for stream in streams]
+    assert [t for out in crowd[2] for t in out.token_ids] == alone
+    for outs in crowd:  # and the crowd is served as it asked: 16 tokens each, one finish_reason, at the end
+        assert sum(len(out.token_ids) for out in outs) == 16
+        assert [out.finish_reason for out in outs if out.finish_reason] == ["length"] == [outs[-1].finish_reason]
+    # Among requests with the same settings and seed.
+    in_crowd = engine.generate([*_prompts(3, seed=3), target], params)[-1]
     assert in_crowd.choices[0].token_ids == alone
-    assert len(crowd) == 6
     other_seed = engine.generate([target], SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True))
     assert other_seed[0].choices[0].token_ids != alone  # the seed matters
 

@@ -37,12 +37,18 @@ def test_decode_attention_kernel_reads_the_cache_in_place_as_its_matmul_twin_com
     out = attend(q, k_cache, v_cache, context_slots, context_lens, dim**-0.5)
     expected = _matmul_decode_attention(q, k_cache, v_cache, context_slots, context_lens, dim**-0.5)
     assert out.dtype == dtype and out.shape == (batch, heads * dim)
-    # bf16: rounded where the matmuls round, so only fp32 summation order differs (measured: equal bits).
-    # fp32: a few ulps.
+    # bf16: rounded where the matmuls round, so only fp32 summation order differs: a score rounded the other way
+    # moves an output by up to 2**-9 (measured, 40 seeds, both paths). fp32: summation order, ~5e-7.
     tolerance = 2**-7 if dtype == torch.bfloat16 else 1e-5
     assert torch.allclose(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
     if dtype == torch.bfloat16:
-        assert (out == expected).float().mean() > 0.99
+        # And no less accurate than the twin: against attention computed in fp32 from the same bf16 inputs, the
+        # kernel's largest and mean errors are the twin's within 5% (measured: within 0.2%).
+        exact = _matmul_decode_attention(q.float(), k_cache.float(), v_cache.float(), context_slots, context_lens,
+                                         dim**-0.5)
+        ours, twins = (out.float() - exact).abs(), (expected.float() - exact).abs()
+        assert ours.max() <= 1.05 * twins.max() and ours.mean() <= 1.05 * twins.mean(), \
+            (ours.max().item(), twins.max().item(), ours.mean().item(), twins.mean().item())
     # Padding past a sequence's length is never read: scribbling over it changes nothing.
     garbage = context_slots.clone()
     for b in range(batch):
