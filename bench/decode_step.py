@@ -61,11 +61,10 @@ def main() -> None:
     for batch in args.batch:
         seqs = [WarmupSequence([0] * (args.context + 1), args.context,
                                list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))) for i in range(batch)]
-        scheduled = ScheduledBatch(seqs, [1] * batch)
-        flags = [True] * batch, [False] * batch
+        scheduled = ScheduledBatch(seqs, [1] * batch, samples=[True] * batch, wants_prompt_logits=[False] * batch)
 
         def step():
-            runner.run(scheduled, *flags)
+            runner.run(scheduled)
 
         timings = {}
         for name, step_graphs in (("fast", graphs), ("eager", None)):

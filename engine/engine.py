@@ -30,8 +30,8 @@ from engine.models.generic import RecomputeRunner
 from engine.native_decode import NativeDecode
 from engine.outputs import FINISH_ABORT, Completion, ContinuationScore, RequestOutput
 from engine.request import Request, Sequence, TokenLogprob
-from engine.runner import ModelRunner
-from engine.sampler import sample, token_logprob
+from engine.runner import ModelRunner, StepLogits
+from engine.sampler import sample
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stops import OutputText
 from engine.stream import RequestStream
@@ -487,39 +487,38 @@ class Engine:
             self._abort_now(request_id)
 
     def step(self) -> None:
+        """Schedule, run, postprocess: the scheduler decides the batch and what each row yields, the runner picks the
+        path and computes the logits, and each sequence takes its token (or its prompt logprobs)."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             time.sleep(0.001)  # everything waits for blocks that only a finishing sequence can free
             return
         try:
-            self._run(batch)
+            self._raise_injected_failure()
+            logits = self.runner.run(batch)
+            self._postprocess(batch, logits)
         except Exception as exc:  # a failure belongs to the requests in this batch; the loop keeps serving
             logger.exception("step failed; failing %d sequences", len(batch))
             for seq in batch.seqs:
                 if not seq.is_finished:
                     self._fail(seq.request.request_id, exc)
 
-    def _run(self, batch: ScheduledBatch) -> None:
-        samples = [
-            seq.num_computed_tokens + n == seq.num_tokens and seq.num_output_tokens < seq.max_tokens
-            for seq, n in zip(batch.seqs, batch.num_new_tokens)
-        ]
-        wants_prompt = [seq.wants_prompt_logprobs for seq in batch.seqs]
+    def _raise_injected_failure(self) -> None:
         if self._injected_failure is not None:
             with self._lock:
                 failure, self._injected_failure = self._injected_failure, None
             raise failure
-        logits = self.runner.run(batch, samples, wants_prompt)
-        starts = [seq.num_computed_tokens for seq in batch.seqs]
-        self.scheduler.mark_computed(batch)
 
+    def _postprocess(self, batch: ScheduledBatch, logits: StepLogits) -> None:
         for i, chunk_logits in logits.prompt_logits.items():
-            self._add_prompt_logprobs(batch.seqs[i], starts[i], chunk_logits)
-        sampling = [seq for seq, s in zip(batch.seqs, samples) if s]
+            seq = batch.seqs[i]
+            seq.request.prompt_logprobs.add_chunk(seq.num_computed_tokens, chunk_logits)
+        self.scheduler.mark_computed(batch)
+        sampling = [seq for seq, s in zip(batch.seqs, batch.samples) if s]
         results = sample(logits.sample_logits, sampling, self.tokenizer.eos_ids) if sampling else []
         for seq, (token_id, logprob) in zip(sampling, results):
             self._append(seq, token_id, logprob)
-        for seq, s in zip(batch.seqs, samples):
+        for seq, s in zip(batch.seqs, batch.samples):
             # A prompt-only request (max_tokens 0: scoring, echo) ends once its prefill is done.
             if not s and seq.max_tokens == 0 and seq.num_computed_tokens >= seq.num_tokens:
                 self._emit(seq, [], "", None, "length")
@@ -542,21 +541,6 @@ class Engine:
             seq.max_tokens = max_tokens
             request.sequences.append(seq)
             self.scheduler.add(seq)
-
-    def _add_prompt_logprobs(self, seq: Sequence, start: int, chunk_logits: torch.Tensor) -> None:
-        """Row p of the chunk predicts token start+p+1; keep those that are prompt tokens."""
-        request = seq.request
-        partial = request.partial_prompt_logprobs
-        del partial[start + 1 :]  # a recomputation after preemption replaces what it recomputes
-        logprobs = torch.log_softmax(chunk_logits, dim=-1)
-        num_top = seq.params.prompt_logprobs
-        for row in range(logprobs.shape[0]):
-            position = start + row + 1
-            if position >= seq.num_prompt_tokens:
-                break
-            partial.append(token_logprob(logprobs[row], seq.token_ids[position], num_top))
-        if len(partial) >= seq.num_prompt_tokens:
-            request.prompt_logprobs = partial
 
     def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
         params = seq.params
@@ -589,9 +573,7 @@ class Engine:
         if entry is None:
             return
         stream = entry[1]
-        prompt_logprobs = None
-        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
-            prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
+        prompt_logprobs = None if request.prompt_logprobs is None else request.prompt_logprobs.take_for_emit()
         out = RequestOutput(
             request.request_id,
             seq.index,

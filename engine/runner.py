@@ -42,14 +42,14 @@ class ModelRunner:
         self.native_decode = native_decode if self.decode_attention is not None else None
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, samples: list[bool], wants_prompt: list[bool]) -> StepLogits:
-        if self.graphs is not None and not any(wants_prompt) and all(n == 1 for n in batch.num_new_tokens):
+    def run(self, batch: ScheduledBatch) -> StepLogits:
+        if self.graphs is not None and not any(batch.wants_prompt_logits) and batch.is_decode:
             positions = [seq.num_computed_tokens for seq in batch.seqs]
             if self.graphs.covers(len(positions), max(positions) + 1):
                 token_ids = [seq.token_ids[p] for seq, p in zip(batch.seqs, positions)]
                 logits = self.graphs.run(token_ids, positions, [seq.block_table for seq in batch.seqs])
-                if not all(samples):
-                    logits = logits[[i for i, s in enumerate(samples) if s]]
+                if not all(batch.samples):
+                    logits = logits[[i for i, s in enumerate(batch.samples) if s]]
                 return StepLogits(logits, {})
         input_ids, positions, meta = self._prepare(batch)
         forward, compiled_forward = self.model.forward, self.compiled_forward  # read once: another thread sets it
@@ -60,7 +60,7 @@ class ModelRunner:
             compiled.mark_dynamic(input_ids, positions, meta)
             forward = compiled_forward
         hidden = forward(input_ids, positions, self.kv_layers, meta)
-        return _select_logits(self.model, hidden, batch, samples, wants_prompt)
+        return _select_logits(self.model, hidden, batch)
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
         """Decode steps from now on run padded to buckets, replayed from CUDA graphs when capture is set (the
@@ -171,14 +171,14 @@ def _marked_dynamic(compiled_forward):
     return forward
 
 
-def _select_logits(model, hidden, batch: ScheduledBatch, samples, wants_prompt) -> StepLogits:
+def _select_logits(model, hidden, batch: ScheduledBatch) -> StepLogits:
     """Only the positions someone reads get logits: each sampler's last token, and every new position of a
     sequence whose prompt logprobs were asked for (echo, scoring)."""
     ends = torch.tensor(batch.num_new_tokens).cumsum(0).tolist()
-    last_rows = [end - 1 for end, s in zip(ends, samples) if s]
+    last_rows = [end - 1 for end, s in zip(ends, batch.samples) if s]
     sample_logits = model.compute_logits(hidden[last_rows]) if last_rows else hidden.new_empty(0, 0)
     prompt_logits = {}
-    for i, wanted in enumerate(wants_prompt):
+    for i, wanted in enumerate(batch.wants_prompt_logits):
         if wanted:
             start = ends[i] - batch.num_new_tokens[i]
             prompt_logits[i] = model.compute_logits(hidden[start : ends[i]])
