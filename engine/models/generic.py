@@ -12,10 +12,23 @@ from engine.scheduler import ScheduledBatch
 
 
 class RecomputeRunner:
+    """engine.runner.Runner for the generic path: every step eager, nothing compiled, captured or reserved."""
+
+    decode_step = "eager"
+    decode_graphs = False
+    num_reserved_blocks = 0
+    has_reserved_blocks_to_free = False
+
     def __init__(self, model, device: torch.device, pad_token_id: int = 0) -> None:
         self.model = model
         self.device = device
         self.pad_token_id = pad_token_id
+
+    def free_reserved_blocks(self) -> None:
+        pass
+
+    def wait_for_compiled_decode(self, timeout_s: float | None = None) -> bool:
+        return False
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepLogits:
