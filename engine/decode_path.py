@@ -62,7 +62,6 @@ def plan_decode_path(config: EngineConfig, loaded: LoadedModel, kv_cache: KVCach
             step = "native"
             reasons.append(f"the C++ step serves {quantization} weights on the {loaded.kernels.path} kernels")
         else:
-            logger.info("decode steps run in Python (the native decode step: %s)", problem)
             reasons.append(f"the native step: {problem}")
     if step != "native":
         problem = compiled.unsupported_reason(device, quantization) if config.compile else "compile is off"
@@ -77,8 +76,6 @@ def plan_decode_path(config: EngineConfig, loaded: LoadedModel, kv_cache: KVCach
     if config.cuda_graphs and device.type == "cuda":
         problem = cuda_graphs.unsupported_reason(quantization)
         graphs = problem is None
-        if problem:
-            logger.info("decode steps run eager: %s", problem)
         reasons.append(f"CUDA graphs: {problem or 'replayed'}")
     path = DecodePath(step, "; ".join(reasons), step == "compiled" and device.type == "cpu", graphs,
                       attention_kernel, loaded.kernels if step == "native" else None)
