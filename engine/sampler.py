@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.grammar import mask_logits
-from engine.request import Sequence, TokenLogprob
+from engine.request import Sequence, TokenLogprob, token_logprob
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) -> list[tuple[int, TokenLogprob | None]]:
@@ -36,15 +36,6 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) 
             logprob = token_logprob(raw_logprobs[i], token_list[i], seq.params.logprobs)
         results.append((token_list[i], logprob))
     return results
-
-
-def token_logprob(row_logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
-    """Logprob of token_id in one row of log-softmaxed logits, with the num_top best alternatives."""
-    top: list[tuple[int, float]] = []
-    if num_top > 0:
-        values, ids = row_logprobs.topk(num_top)
-        top = list(zip(ids.tolist(), values.tolist()))
-    return TokenLogprob(token_id, float(row_logprobs[token_id]), top)
 
 
 def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) -> torch.Tensor:

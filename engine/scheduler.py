@@ -16,8 +16,22 @@ from engine.request import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
+    """One step's work: which sequences run, how many new tokens each computes, and what each row yields, decided
+    in add() for every runner: a sampled token, and the logits of every new position (prompt logprobs)."""
+
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)  # its new tokens reach its end, and it may still grow
+    wants_prompt_logits: list[bool] = field(default_factory=list)  # echo, scoring: logits at every new position
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+        # A sequence still prefilling a chunk of its prompt samples nothing yet, nor does a prompt-only request
+        # (max_tokens 0: echo, scoring).
+        is_last_chunk = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
+        self.samples.append(is_last_chunk and seq.num_output_tokens < seq.max_tokens)
+        self.wants_prompt_logits.append(seq.wants_prompt_logprobs)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -25,6 +39,11 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds one token: the steady state of serving, which the fast decode paths serve."""
+        return all(n == 1 for n in self.num_new_tokens)
 
 
 class Scheduler:
@@ -63,8 +82,7 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._grow(seq, num_new):
                 continue  # seq itself was preempted; running shrank, so index i is already the next one
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
+            batch.add(seq, num_new)
             budget -= num_new
             i += 1
         # Admitting new work right after preempting would only preempt again.
@@ -85,8 +103,7 @@ class Scheduler:
             seq.block_table += self.allocator.allocate(needed)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
+            batch.add(seq, num_new)
             budget -= num_new
         return batch
 

@@ -9,8 +9,8 @@ from engine.request import Request, Sequence, SequenceStatus
 from engine.scheduler import Scheduler
 
 
-def _seq(seq_id: int, prompt_len: int) -> Sequence:
-    request = Request(f"r{seq_id}", list(range(3, 3 + prompt_len)), SamplingParams())
+def _seq(seq_id: int, prompt_len: int, params: SamplingParams | None = None) -> Sequence:
+    request = Request(f"r{seq_id}", list(range(3, 3 + prompt_len)), params or SamplingParams())
     return Sequence(seq_id, request, 0, generator=None, output_text=None)
 
 
@@ -134,3 +134,18 @@ def test_cached_blocks_are_reused_for_new_content_when_the_pool_runs_out():
     scheduler.add(other)  # needs all 3 blocks: the cached ones are evicted, not leaked
     assert scheduler.schedule().num_new_tokens == [11]
     assert allocator.num_free == 0
+
+
+def test_the_batch_says_which_rows_sample_and_which_want_prompt_logits():
+    scheduler = Scheduler(BlockAllocator(100), block_size=4, max_num_seqs=8, max_num_batched_tokens=12)
+    chat, scoring = _seq(0, 10), _seq(1, 6, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    chat.max_tokens = 5  # the engine resolves it at admission; scoring's stays 0
+    scheduler.add(chat)
+    scheduler.add(scoring)
+    first = _step(scheduler)  # the chat's whole prompt and a chunk of the scoring prompt
+    assert first.num_new_tokens == [10, 2]
+    assert first.samples == [True, False] and first.wants_prompt_logits == [False, True]
+    assert not first.is_decode
+    second = scheduler.schedule()  # the chat decodes; the scoring prompt's last chunk samples nothing: max_tokens 0
+    assert second.num_new_tokens == [1, 4]
+    assert second.samples == [True, False] and second.wants_prompt_logits == [False, True]

@@ -2,6 +2,8 @@
 what it means for an engine's tokens."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import require_op, tiny_quantized_engine
@@ -80,18 +82,18 @@ def test_decode_attention_with_every_score_far_below_zero_and_a_partial_last_reg
 def test_engine_decodes_the_same_tokens_with_the_attention_kernel_as_with_its_matmul_twin(default_tokenizer, path_kernels,
                                                                                          dtype, tie):
     require_op(path_kernels.decode_attention, "decode attention")
-    engine, _ = tiny_quantized_engine("llama", "none", default_tokenizer, dtype=dtype, path=path_kernels, max_num_seqs=8)
-    kernel = engine.runner.decode_attention
-    try:
-        generator = torch.Generator().manual_seed(3)
-        prompts = [torch.randint(3, 2000, (n,), generator=generator).tolist() for n in (3, 17, 40, 90, 5)]
-        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-        runs = {}
-        for which in (kernel, None):
-            engine.runner.decode_attention = which  # read by the engine thread at its next step
-            runs[which is not None] = [c.choices[0] for c in engine.generate(prompts, params)]
-    finally:
-        engine.stop()
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 2000, (n,), generator=generator).tolist() for n in (3, 17, 40, 90, 5)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    runs = {}
+    for has_kernel in (True, False):  # the twin: the same kernel path but for attention, planned without a kernel
+        kernels = path_kernels if has_kernel else dataclasses.replace(path_kernels, decode_attention=None)
+        engine, _ = tiny_quantized_engine("llama", "none", default_tokenizer, dtype=dtype, path=kernels, max_num_seqs=8)
+        try:
+            assert (engine.runner.path.attention_kernel is not None) == has_kernel
+            runs[has_kernel] = [c.choices[0] for c in engine.generate(prompts, params)]
+        finally:
+            engine.stop()
     for ours, twin in zip(runs[True], runs[False]):
         for position, (mine, theirs) in enumerate(zip(ours.token_ids, twin.token_ids)):
             if mine != theirs:  # bf16 only: a near tie may flip, then the sequences part
