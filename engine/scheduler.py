@@ -3,7 +3,9 @@
 Plain Python, no tensors. One policy for prefill and decode (as vLLM v1): every step spends a token budget,
 first on running sequences (one token each when decoding, a chunk when a long prompt is still prefilling), then
 on waiting ones in arrival order. Prompts longer than the budget are prefilled in chunks across steps, so a long
-prompt never stalls the sequences already decoding for more than one budget's worth of work.
+prompt never stalls the sequences already decoding for more than one budget's worth of work. A prompt that fits
+whole beside the running sequences is never split: it waits a step instead, so its logits are the same bits alone
+or under load (the runner attends each prompt alone for the same reason).
 """
 from __future__ import annotations
 
@@ -92,7 +94,15 @@ class Scheduler:
             if self._sibling_is_prefilling(seq):
                 break  # n > 1: the other samples wait one step and then share the prompt's cached blocks
             reused = self._reuse_cached_prefix(seq)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if budget < remaining <= self.max_num_batched_tokens - len(self.running):
+                # It fits whole beside the running sequences in a coming step: wait for that rather than split it
+                # here, where the split point depends on what else arrived (and with it the logits' float order).
+                if reused:
+                    self._free_blocks(seq)
+                    seq.num_computed_tokens = 0
+                break
+            num_new = min(remaining, budget)
             needed = blocks_needed(seq.num_computed_tokens + num_new, self.block_size) - len(seq.block_table)
             if not self.allocator.can_allocate(needed):
                 if reused:  # hand the cached blocks back rather than hold them while waiting

@@ -199,6 +199,31 @@ def test_score_ranks_the_models_own_greedy_continuation_first(tiny_engine_factor
     assert scores[0].top_token_ids == good
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prompts_logprobs_are_the_same_bits_whatever_arrives_with_it(tiny_engine_factory, dtype):
+    # lm-evaluation-harness scores must not depend on what else the server is doing: the prompt is scored alone,
+    # then together with prompts of other lengths (shorter, longer, long enough to take most of the step) and
+    # beside decoding sequences, and every logprob must be equal, not merely close.
+    engine, _ = tiny_engine_factory(dtype=dtype, max_num_batched_tokens=96)
+    target = _prompts(1, seed=11)[0]
+    scored = SamplingParams(max_tokens=0, prompt_logprobs=1)
+
+    def logprobs(completion):
+        return [(e.token_id, e.logprob) for e in completion.prompt_logprobs[1:]]
+
+    alone = logprobs(engine.generate([target], scored)[0])
+    for others in ([5], [len(target) + 30], [90], [3, 20, 7]):
+        neighbours = [list(range(100, 100 + n)) for n in others]
+        completions = engine.generate([*neighbours, target], scored)
+        assert logprobs(completions[-1]) == alone, f"beside prompts of {others} tokens"
+    long_decode = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    decoding = [engine.submit(p, long_decode) for p in _prompts(3, seed=5)]
+    _wait_until(lambda: engine.stats().num_running == 3)
+    assert logprobs(engine.generate([target], scored)[0]) == alone, "beside decoding sequences"
+    for stream in decoding:
+        engine.abort(stream.request_id)
+
+
 def test_bad_requests_raise_before_anything_is_queued(tiny_engine_factory):
     engine, _ = tiny_engine_factory(max_model_len=64)
     with pytest.raises(ContextLengthExceededError) as info:
