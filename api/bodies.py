@@ -6,8 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-FinishReason = Literal["stop", "length", "tool_calls"]
-CompletionFinishReason = Literal["stop", "length"]
+# "abort": the server shut down before the sample finished (SGLang's name; OpenAI has none), in a stream only.
+FinishReason = Literal["stop", "length", "tool_calls", "abort"]
+CompletionFinishReason = Literal["stop", "length", "abort"]
 
 
 class Usage(BaseModel):

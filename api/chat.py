@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: render the chat template, generate, answer as one JSON body or as SSE chunks."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -16,7 +17,9 @@ from api.generation import Generation, Sample, until_disconnected
 from api.logprobs import chat_logprobs, visible_logprobs
 from api.protocol import ChatCompletionRequest, ChatMessage, template_messages
 from api.response_format import AnswerFormat, chat_format, grammar_for
-from api.bodies import ChatChoice, ChatCompletion, ChatCompletionChunk, ChatMessageOut, streamed
+from api.bodies import (
+    ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatMessageOut, streamed,
+)
 from api.server import Server
 from api.sse import event_stream
 
@@ -74,26 +77,36 @@ def chat_tools(body: ChatCompletionRequest) -> tool_calls.Tools:
 
 def chat_text(engine: Engine, messages: list[ChatMessage] | list[dict], add_generation_prompt: bool = True,
               tools: tool_calls.Tools = tool_calls.NO_TOOLS) -> str:
-    """Chat messages rendered through the model's chat template."""
-    rendered = messages if not messages or isinstance(messages[0], dict) else template_messages(messages)
+    """Chat messages rendered through the model's chat template (what /tokenize shows)."""
+    with _template_refusals():
+        return engine.tokenizer.render_chat(_as_dicts(messages), add_generation_prompt, tools.functions)
+
+
+def prompt_ids_for(engine: Engine, messages: list[ChatMessage] | list[dict],
+                   tools: tool_calls.Tools = tool_calls.NO_TOOLS) -> list[int]:
+    """The prompt the engine runs for these messages: the same function renders the UI's chats."""
+    with _template_refusals():
+        return engine.tokenizer.chat_prompt_ids(_as_dicts(messages), tools.functions)
+
+
+def _as_dicts(messages: list[ChatMessage] | list[dict]) -> list[dict]:
+    return messages if not messages or isinstance(messages[0], dict) else template_messages(messages)
+
+
+@contextlib.contextmanager
+def _template_refusals():
     try:
-        return engine.tokenizer.render_chat(rendered, add_generation_prompt, tools.functions)
+        yield
     except EngineError:
         raise
     except Exception as exc:  # the template refused these messages (e.g. "roles must alternate") or choked on them
         raise OpenAIError(400, f"The chat template could not render these messages: {exc}", param="messages") from exc
 
 
-def prompt_ids_for(engine: Engine, messages: list[ChatMessage] | list[dict],
-                   tools: tool_calls.Tools = tool_calls.NO_TOOLS) -> list[int]:
-    # The rendered template already holds the special tokens (BOS included): adding them again would double them.
-    return engine.tokenizer.encode(chat_text(engine, messages, tools=tools), add_special_tokens=False)
-
-
 def _choice(sample: Sample, want_logprobs: bool, engine: Engine, tools: tool_calls.Tools) -> ChatChoice:
     logprobs = None
     if want_logprobs:
-        entries = visible_logprobs(sample.logprobs, sample.finish_reason, sample.stop_reason)
+        entries = visible_logprobs(sample.logprobs or [], sample.finish_reason, sample.stop_reason)
         logprobs = {"content": chat_logprobs(entries, engine.tokenizer), "refusal": None}
     content, calls = sample.text, None
     if tools.parses_calls:
@@ -115,16 +128,17 @@ def _tool_call(call: tool_calls.CallOut) -> dict:
 
 
 async def _chunks(generation: Generation, head: dict, body: ChatCompletionRequest, engine: Engine,
-                  tools: tool_calls.Tools) -> AsyncIterator[dict]:
+                  tools: tool_calls.Tools) -> AsyncIterator[ChatCompletionChunk]:
     """OpenAI's sequence per choice: a role delta, content (or tool-call) deltas, an empty delta with
-    finish_reason; then the usage chunk (choices: []) when asked for, with usage null on every other chunk."""
+    finish_reason; then the usage chunk (choices: []) when asked for, with usage null on every other chunk.
+    Chunks are the models /openapi.json shows, sent with the fields they were built with (api/sse.py)."""
     base = {**head, "object": "chat.completion.chunk"}
     usage = {"usage": None} if body.include_usage else {}
     replies = {s.index: tool_calls.ReplySplitter() for s in generation.samples} if tools.parses_calls else {}
 
-    def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {**base, "choices": [choice], **usage}
+    def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None):
+        choice = ChatChunkChoice(index=index, delta=ChatDelta(**delta), logprobs=logprobs, finish_reason=finish_reason)
+        return ChatCompletionChunk(**base, choices=[choice], **usage)
 
     try:
         for sample in generation.samples:
@@ -145,7 +159,7 @@ async def _chunks(generation: Generation, head: dict, body: ChatCompletionReques
                 has_calls = reply is not None and bool(reply.calls)
                 yield chunk(sample.index, {}, tool_calls.finish_reason(out.finish_reason, has_calls))
         if body.include_usage:
-            yield {**base, "choices": [], "usage": generation.usage()}
+            yield ChatCompletionChunk(**base, choices=[], usage=generation.usage())
     finally:
         generation.abort()  # a client gone before the first output never entered outputs()
 

@@ -58,12 +58,12 @@ class _Choices:
         text, logprobs = self._part(sample, 0, with_echo=self.echo)
         return CompletionChoice(index=sample.index, text=text, logprobs=logprobs, finish_reason=sample.finish_reason)
 
-    def delta(self, sample: Sample, out: RequestOutput) -> dict:
+    def delta(self, sample: Sample, out: RequestOutput) -> CompletionChoice:
         """The choice of one streamed chunk: this output's text and tokens (the echo goes with a choice's first)."""
         with_echo = self.echo and sample.index not in self._echoed
         self._echoed.add(sample.index)
         text, logprobs = self._part(sample, len(sample.token_ids) - len(out.token_ids), with_echo, out.text)
-        return {"index": sample.index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+        return CompletionChoice(index=sample.index, text=text, logprobs=logprobs, finish_reason=out.finish_reason)
 
     def _part(self, sample: Sample, first: int, with_echo: bool, text: str | None = None) -> tuple[str, dict | None]:
         text = sample.text if text is None else text
@@ -73,7 +73,7 @@ class _Choices:
             # finds a token in prompt + text the same way whether it asked for the echo.
             start = len(self.prompt_text(sample.prompt_index))
             offsets = [start + offset for offset in sample.text_offsets[first:]]
-            logprobs = completion_logprobs(sample.token_ids[first:], sample.logprobs[first:], offsets, self.tokenizer)
+            logprobs = completion_logprobs(sample.token_ids[first:], (sample.logprobs or [])[first:], offsets, self.tokenizer)
             if with_echo:
                 logprobs = merge_logprobs(self.prompt_logprobs(sample.prompt_index), logprobs)
         return (self.prompt_text(sample.prompt_index) + text if with_echo else text), logprobs
@@ -97,16 +97,18 @@ class _Choices:
         return logprobs
 
 
-async def _chunks(generation: Generation, choices: _Choices, head: dict, include_usage: bool) -> AsyncIterator[dict]:
-    """Streamed completions share the non-streamed shape: one choice per chunk, finish_reason on a choice's last."""
+async def _chunks(generation: Generation, choices: _Choices, head: dict,
+                  include_usage: bool) -> AsyncIterator[TextCompletion]:
+    """Streamed completions share the non-streamed shape (the same model): one choice per chunk, finish_reason on a
+    choice's last; without include_usage the chunks carry no usage at all."""
     base = {**head, "object": "text_completion"}
     usage = {"usage": None} if include_usage else {}
     try:
         async for sample, out in generation.outputs():
             choice = choices.delta(sample, out)
-            if choice["text"] or choice["logprobs"] or choice["finish_reason"]:
-                yield {**base, "choices": [choice], **usage}
+            if choice.text or choice.logprobs or choice.finish_reason:
+                yield TextCompletion(**base, choices=[choice], **usage)
         if include_usage:
-            yield {**base, "choices": [], "usage": generation.usage()}
+            yield TextCompletion(**base, choices=[], usage=generation.usage())
     finally:
         generation.abort()  # a client gone before the first output never entered outputs()

@@ -5,12 +5,12 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import Request
 
-from engine import FINISH_ABORT, Engine, RequestOutput, SamplingParams, TokenLogprob
+from engine import FINISH_ABORT, Choice, Engine, RequestOutput, SamplingParams, TokenLogprob
 
 from api.errors import ClientDisconnected, shutting_down
 from api.metrics import Metrics
@@ -20,25 +20,10 @@ T = TypeVar("T")
 
 
 @dataclass
-class Sample:
-    """One choice as it accumulates. text_offsets[i] is len(text) before token i's text was added."""
+class Sample(Choice):
+    """One choice of an API answer as it accumulates; `index` is prompt_index * n + sample_index."""
 
-    index: int  # the choice index: prompt_index * n + sample_index
-    prompt_index: int
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    text_offsets: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-    def add(self, out: RequestOutput) -> None:
-        self.text_offsets += [len(self.text)] * len(out.token_ids)
-        self.token_ids += out.token_ids
-        self.text += out.text
-        self.logprobs += out.logprobs or []
-        if out.finish_reason is not None:
-            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+    prompt_index: int = 0
 
 
 class Generation:
@@ -56,7 +41,7 @@ class Generation:
         self.engine, self.params, self.response_id, self.metrics = engine, params, response_id, metrics
         self.request_id = request_id  # the X-Request-ID, for the log line
         self.prompts = prompts
-        self.samples = [Sample(p * params.n + i, p) for p in range(len(prompts)) for i in range(params.n)]
+        self.samples = [Sample(p * params.n + i, prompt_index=p) for p in range(len(prompts)) for i in range(params.n)]
         self.prompt_logprobs: list[list[TokenLogprob | None] | None] = [None] * len(prompts)
         self._started_at = time.monotonic()
         self._last_token_at: dict[int, float] = {}

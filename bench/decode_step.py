@@ -15,6 +15,7 @@ bench/engine.py measures the CPU engine as it serves.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import statistics
 import sys
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import Engine, EngineConfig  # noqa: E402
 from engine.compiled import WarmupSequence  # noqa: E402
+from engine.runner import ModelRunner  # noqa: E402
 from engine.scheduler import ScheduledBatch  # noqa: E402
 
 
@@ -49,33 +51,26 @@ def main() -> None:
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, compile=args.compile,
                                  quantization=args.quantization, cuda_graphs=args.cuda_graphs,
                                  max_num_seqs=max(args.batch)))
+    engine.wait_for_compiled_decode(timeout_s=1800)  # on CPU it builds in the background: time the steady state
     runner, device = engine.runner, engine.device
+    # The eager twin: a runner on the same model and cache whose decode steps take the eager model.
+    eager_path = dataclasses.replace(runner.path, step="eager", graphs=False, kernels=None)
+    eager_runner = ModelRunner(runner.model, runner.kv_cache, device, eager_path, engine.allocator,
+                               engine.config.max_num_seqs, engine.max_model_len)
     weight_bytes = engine.loaded.weight_bytes
-    fast = "CUDA graphs" if engine.decode_graphs else "compiled" if engine.compiled_decode else "eager"
+    fast = "CUDA graphs" if engine.decode_graphs else engine.decode_step
     blocks_per_seq = -(-(args.context + 1) // engine.kv_cache.block_size)
     print(f"\nmodel {engine.model_name}, {engine.dtype}, {engine.loaded.describe_weights()}, {device}, "
           f"context {args.context}, {fast} step vs eager step, median of {args.reps} x {args.steps} steps\n")
     print("| batch | step | ms/step | tok/s | weights GB/s | of bandwidth | eager ms/step | speed-up |")
     print("|---|---|---|---|---|---|---|---|")
-    graphs = runner.graphs
     for batch in args.batch:
         seqs = [WarmupSequence([0] * (args.context + 1), args.context,
                                list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))) for i in range(batch)]
-        scheduled = ScheduledBatch(seqs, [1] * batch)
-        flags = [True] * batch, [False] * batch
+        scheduled = ScheduledBatch(seqs, [1] * batch, samples=[True] * batch, wants_prompt_logits=[False] * batch)
 
-        def step():
-            runner.run(scheduled, *flags)
-
-        timings = {}
-        for name, step_graphs in (("fast", graphs), ("eager", None)):
-            runner.graphs = step_graphs
-            compiled_forward = runner.compiled_forward
-            if name == "eager":
-                runner.compiled_forward = None
-            timings[name] = _time(step, device, args.steps, args.reps)
-            runner.compiled_forward = compiled_forward
-        runner.graphs = graphs
+        timings = {name: _time(lambda r=r: r.run(scheduled), device, args.steps, args.reps)
+                   for name, r in (("fast", runner), ("eager", eager_runner))}
         ms, eager_ms = timings["fast"] * 1e3, timings["eager"] * 1e3
         rate = weight_bytes / timings["fast"] / 1e9
         print(f"| {batch} | {fast} | {ms:.3f} | {batch / timings['fast']:.0f} | {rate:.0f} | "

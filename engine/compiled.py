@@ -5,12 +5,11 @@ compiled, the default model's int8 single stream went from 27 to 49 tok/s on a 2
 (every sequence adds one token, the steady state of serving) run compiled. Prefill and mixed steps run the
 eager model, the compiled step's twin, which the tests compare it against token for token.
 
-Compiling takes minutes on a small CPU. There the engine serves with the eager step at once and compiles on a
-thread of its own (Engine._compile_in_background), whose warm-up decodes fake sequences in a few reserved KV
-blocks; the compiled step takes over at the next step once it is ready. On CUDA it is compiled before serving,
-because the CUDA graphs capture it.
-
-On CUDA the compiled step is what engine/cuda_graphs.py captures, one graph per (batch, context) bucket.
+Compiling takes minutes on a small CPU. There the runner serves with the eager step at once and CompiledDecode
+builds the compiled one on a thread of its own, whose warm-up decodes fake sequences in a few reserved KV blocks;
+the compiled step takes over at the next step once it is ready. On CUDA it is compiled before serving, because
+the CUDA graphs capture it: the compiled step is what engine/cuda_graphs.py captures, one graph per (batch,
+context) bucket.
 
 Sizes that change every step (number of sequences, context length) are marked dynamic, so one graph serves
 every step of a regime. Torch still specializes a size of 1, and the int8 kernel choice depends on the batch
@@ -21,22 +20,25 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
+import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from engine.kv_cache import BlockAllocator
 from engine.models.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-# Quantizations whose layers trace without graph breaks (bitsandbytes layers call into a C library).
+# Quantizations whose layers trace without graph breaks (bitsandbytes layers call into a C library). int4 is one
+# of them, though engine/cuda_graphs.py never captures it: it runs on CPUs only.
 COMPILABLE_QUANTIZATIONS = ("none", "int8", "int4")
 
 
-def unsupported_reason(is_native: bool, device: torch.device, quantization: str) -> str | None:
-    """None when the decode step can be compiled here, else why not (the engine then runs eager)."""
-    if not is_native:
-        return "the generic transformers path runs eager"
+def unsupported_reason(device: torch.device, quantization: str) -> str | None:
+    """None when the native model's decode step can be compiled here, else why not (it then runs eager)."""
     if device.type not in ("cpu", "cuda"):
         return f"compiled decode is verified on CPU and CUDA only; {device.type} runs eager"
     if quantization not in COMPILABLE_QUANTIZATIONS:
@@ -44,6 +46,81 @@ def unsupported_reason(is_native: bool, device: torch.device, quantization: str)
     if device.type == "cpu" and not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
         return "no C++ compiler (g++) for torch's CPU code generator"
     return None
+
+
+class CompiledDecode:
+    """The compiled decode step and its build, held by the runner that serves it.
+
+    On CUDA it is built at once, before serving (the graphs capture it). On CPU, where that takes minutes, it is
+    built on a thread of its own while the eager step serves, and takes over at the next step once ready. Its
+    warm-up decodes fake sequences into KV blocks reserved for it, so it never touches a request's. Only the
+    engine thread touches the allocator: it frees them (free_blocks) once the build has ended; `on_done`, called
+    from the build's thread, wakes it for that.
+    """
+
+    def __init__(self, model, warm_up: Callable[[Callable, list[int]], None], allocator: BlockAllocator,
+                 in_background: bool, on_done: Callable[[], None]) -> None:
+        self.forward: Callable | None = None  # the compiled forward once warmed up; a step reads it once
+        self._allocator = allocator
+        self._on_done = on_done
+        self._done = threading.Event()
+        compiled_forward = compile_forward(model)
+        self._blocks = allocator.allocate(min(WARMUP_BLOCKS, allocator.num_free))
+        if not in_background:
+            self._build(compiled_forward, warm_up)
+            self.free_blocks()
+            return
+        trace_once_before_serving()  # before the compile thread can: it would break concurrent eager steps
+        logger.info("serving with the eager decode step while the compiled one builds (a few minutes on the "
+                    "first start, ~20 s later: inductor caches its kernels)")
+        threading.Thread(target=self._build, args=(compiled_forward, warm_up), name="tern-compile",
+                         daemon=True).start()
+
+    @property
+    def state(self) -> str:
+        """`compiled`, `compiling` (the eager step serves meanwhile), or `eager` (the build failed)."""
+        if self.forward is not None:
+            return "compiled"
+        return "eager" if self._done.is_set() else "compiling"
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def has_blocks_to_free(self) -> bool:
+        """Whether the build has ended and its warm-up blocks wait for the engine thread to free them."""
+        return bool(self._blocks) and self._done.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until the build has ended; True when decode steps now run compiled."""
+        self._done.wait(timeout_s)
+        return self.forward is not None
+
+    def free_blocks(self) -> None:
+        """Engine thread: give the warm-up's blocks back to the allocator once the build has ended."""
+        if self.has_blocks_to_free:
+            self._allocator.free(self._blocks)
+            self._blocks = []
+
+    def _build(self, compiled_forward, warm_up) -> None:
+        """Warm the compiled step up in the reserved blocks, then hand it over; a compiler problem costs speed,
+        never the server."""
+        # The eager step gives up the GIL in every torch op and waits for it back; with the compiler's tracing
+        # holding it, each wait lasts up to the switch interval (5 ms): 20 tokens took 37 s while compiling, and
+        # 2.7 s with 0.1 ms.
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch_interval, 1e-4))
+        try:
+            allow_recompiles()
+            warm_up(compiled_forward, self._blocks)
+            self.forward = compiled_forward
+        except Exception as exc:
+            logger.warning("compiling the decode step failed, running eager: %s: %s", type(exc).__name__, exc)
+        finally:
+            sys.setswitchinterval(switch_interval)
+        self._done.set()
+        self._on_done()
 
 
 def compile_forward(model):

@@ -9,7 +9,6 @@ import asyncio
 import itertools
 import logging
 import random
-import sys
 import threading
 import time
 import uuid
@@ -18,20 +17,19 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import compiled, cuda_graphs, loader, native_decode
+from engine import loader
 from engine.config import EngineConfig, batched_tokens_for
+from engine.decode_path import build_runner
 from engine.errors import (
     ContextLengthExceededError, DrainingError, GrammarError, InvalidRequestError, QueueFullError, StepFailedError,
 )
 from engine.grammar import GrammarCompiler
 from engine.kv_cache import BlockAllocator, KVCache, blocks_needed
 from engine.loader import LoadedModel
-from engine.models.generic import RecomputeRunner
-from engine.native_decode import NativeDecode
 from engine.outputs import FINISH_ABORT, Completion, ContinuationScore, RequestOutput
 from engine.request import Request, Sequence, TokenLogprob
-from engine.runner import ModelRunner
-from engine.sampler import sample, token_logprob
+from engine.runner import StepLogits
+from engine.sampler import sample
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stops import OutputText
 from engine.stream import RequestStream
@@ -111,6 +109,7 @@ class Engine:
 
         block_size = self.config.block_size
         max_model_len = self._context_limit(hf_config)
+        self.kv_cache = None
         if self.loaded.is_native:
             kv_args = (hf_config.num_hidden_layers, block_size, model.num_kv_heads, model.head_dim)
             num_blocks = self.config.num_kv_blocks or max(
@@ -123,21 +122,12 @@ class Engine:
             max_model_len = min(max_model_len, num_blocks * block_size)
             self.kv_cache = KVCache(kv_args[0], num_blocks, *kv_args[1:], self.dtype, self.device)
             model.build_rope_tables(max_model_len, self.device, self.dtype)
-            self.runner = ModelRunner(model, self.kv_cache, self.device, self.loaded.kernels.decode_attention,
-                                      self._native_decode(model))
         else:
             # The generic path recomputes everything, but the allocator still bounds concurrent context.
             num_blocks = self.config.num_kv_blocks or self.config.max_num_seqs * blocks_needed(max_model_len, block_size)
-            pad_id = self.loaded.tokenizer.pad_token_id or 0
-            self.runner = RecomputeRunner(model, self.device, pad_id)
         self.max_model_len = max_model_len
         self.allocator = BlockAllocator(num_blocks)
-        self._compile_state = "eager"  # "compiling" while a background compile runs, then "compiled" or "eager"
-        self._compile_done = threading.Event()
-        self._warmup_blocks: list[int] = []  # KV blocks a background warm-up holds; freed by the engine thread
-        self._num_reserved_blocks = 0  # the warm-up's, from its start until the engine thread frees them
-        self._compile_decode_step()
-        self._capture_decode_graphs()
+        self.runner = build_runner(self.config, self.loaded, self.kv_cache, self.allocator, max_model_len, self._wake)
         self.max_num_batched_tokens = self.config.max_num_batched_tokens or batched_tokens_for(
             self.device.type, self.config.max_num_seqs)
         self.scheduler = Scheduler(
@@ -169,111 +159,32 @@ class Engine:
             self.max_num_batched_tokens,
         )
 
-    def _native_decode(self, model) -> NativeDecode | None:
-        """The C++ decode step, where it serves this model here (then nothing needs compiling)."""
-        if not self.config.native_decode or self.device.type != "cpu":
-            return None
-        reason = native_decode.unsupported_reason(model, self.kv_cache, self.loaded.kernels, self.dtype)
-        if reason:
-            logger.info("decode steps run in Python (the native decode step: %s)", reason)
-            return None
-        return NativeDecode(model, self.kv_cache, self.loaded.kernels)
-
-    def _compile_decode_step(self) -> None:
-        """Compile the decode step, when asked and possible here: before serving on CUDA (the graphs capture it),
-        on a background thread on CPU, where it takes minutes and the eager step serves meanwhile. Not when the
-        native decode step serves."""
-        if (not self.config.compile or not self.loaded.is_native
-                or getattr(self.runner, "native_decode", None) is not None):
-            self._compile_done.set()
-            return
-        reason = compiled.unsupported_reason(self.loaded.is_native, self.device, self.loaded.quantization)
-        if reason:
-            logger.warning("not compiling the decode step: %s", reason)
-            self._compile_done.set()
-            return
-        forward = compiled.compile_forward(self.loaded.model)
-        blocks = self.allocator.allocate(min(compiled.WARMUP_BLOCKS, self.allocator.num_free))
-        self._num_reserved_blocks = len(blocks)
-        if self.device.type == "cuda":
-            self._compile(forward, blocks)
-            self._release_warmup_blocks()
-            return
-        compiled.trace_once_before_serving()  # before the compile thread can: it would break concurrent eager steps
-        self._compile_state = "compiling"
-        logger.info("serving with the eager decode step while the compiled one builds (a few minutes on the "
-                    "first start, ~20 s later: inductor caches its kernels)")
-        threading.Thread(target=self._compile, args=(forward, blocks), name="tern-compile", daemon=True).start()
-
-    def _compile(self, forward, blocks: list[int]) -> None:
-        """Warm the compiled step up in `blocks` (reserved for it) and hand it to the runner; a compiler problem
-        costs speed, never the server."""
-        # The eager step gives up the GIL in every torch op and waits for it back; with the compiler's tracing
-        # holding it, each wait lasts up to the switch interval (5 ms): 20 tokens took 37 s while compiling, and
-        # 2.7 s with 0.1 ms.
-        switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(switch_interval, 1e-4))
-        try:
-            compiled.allow_recompiles()
-            self.runner.warm_up(forward, blocks, self.config.max_num_seqs)
-            self.runner.use_compiled(forward)
-            self._compile_state = "compiled"
-        except Exception as exc:
-            logger.warning("compiling the decode step failed, running eager: %s: %s", type(exc).__name__, exc)
-            self._compile_state = "eager"
-        finally:
-            sys.setswitchinterval(switch_interval)
+    def _wake(self) -> None:
+        """Any thread: have the engine thread look for work again (the runner's background compile has ended, and
+        its reserved blocks can be freed)."""
         with self._lock:
-            self._warmup_blocks = blocks
-            self._compile_done.set()
             self._lock.notify_all()
-
-    def _release_warmup_blocks(self) -> None:
-        """Engine thread: give the warm-up's blocks back to the allocator once the warm-up has finished."""
-        with self._lock:
-            blocks, self._warmup_blocks = self._warmup_blocks, []
-        if blocks:
-            self.allocator.free(blocks)
-            self._num_reserved_blocks = 0
 
     def wait_for_compiled_decode(self, timeout_s: float | None = None) -> bool:
         """Block until compiling the decode step has ended (at once when it never started); True when decode
         steps now run compiled. For benchmarks and tests that want the steady state."""
-        self._compile_done.wait(timeout_s)
-        return self.compiled_decode
-
-    def _capture_decode_graphs(self) -> None:
-        if not (self.config.cuda_graphs and self.loaded.is_native and self.device.type == "cuda"):
-            return
-        if self.loaded.quantization not in cuda_graphs.CAPTURABLE_QUANTIZATIONS:
-            logger.info("decode steps run eager: --quantization %s layers are not captured in CUDA graphs",
-                        self.loaded.quantization)
-            return
-        try:
-            self.runner.use_decode_graphs(self.config.max_num_seqs, self.max_model_len, capture=True)
-        except Exception as exc:  # e.g. a layer that syncs with the host (bnb-int8's outlier split): eager works
-            logger.warning("capturing the decode step in CUDA graphs failed, running eager: %s: %s",
-                           type(exc).__name__, exc)
-            self.runner.graphs = None
-            torch.cuda.synchronize()
+        return self.runner.wait_for_compiled_decode(timeout_s)
 
     @property
     def decode_graphs(self) -> bool:
         """Whether decode steps replay captured CUDA graphs."""
-        return getattr(self.runner, "graphs", None) is not None
+        return self.runner.decode_graphs
 
     @property
     def compiled_decode(self) -> bool:
         """Whether decode steps run under torch.compile (the generic path's runner never compiles)."""
-        return getattr(self.runner, "compiled_forward", None) is not None
+        return self.runner.decode_step == "compiled"
 
     @property
     def decode_step(self) -> str:
         """`native` (C++, engine/native_decode.py), `compiled`, `compiling` (the eager step serves until the
         compiled one is ready) or `eager`."""
-        if getattr(self.runner, "native_decode", None) is not None:
-            return "native"
-        return "compiled" if self.compiled_decode else self._compile_state
+        return self.runner.decode_step
 
     # Lifecycle.
     def start(self) -> Engine:
@@ -398,7 +309,7 @@ class Engine:
         tokens_per_s = sum(n for _, n in recent) / 5.0 if recent else 0.0
         # The warm-up's blocks are no request's: a client counting leaked blocks must not see them (minutes on a
         # small CPU, while the compiled step builds in the background).
-        reserved = self._num_reserved_blocks
+        reserved = self.runner.num_reserved_blocks
         return EngineStats(
             len(self.scheduler.running),
             len(self.scheduler.waiting) + len(self._inbox),
@@ -472,7 +383,7 @@ class Engine:
             try:
                 with self._lock:
                     while self._running and not (self._inbox or self._aborts or self._is_aborting_all
-                                                 or self._warmup_blocks or self.scheduler.has_work):
+                                                 or self.runner.has_reserved_blocks_to_free or self.scheduler.has_work):
                         self._lock.wait()
                     if not self._running:
                         break
@@ -485,7 +396,7 @@ class Engine:
                     self._abort_now(request_id)
                 if abort_all:
                     self._end_all()
-                self._release_warmup_blocks()
+                self.runner.free_reserved_blocks()
                 if self.scheduler.has_work:
                     self.step()
             except Exception as exc:  # a bug outside any one step: fail what is in flight rather than stop serving
@@ -499,39 +410,38 @@ class Engine:
             self._abort_now(request_id)
 
     def step(self) -> None:
+        """Schedule, run, postprocess: the scheduler decides the batch and what each row yields, the runner picks the
+        path and computes the logits, and each sequence takes its token (or its prompt logprobs)."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             time.sleep(0.001)  # everything waits for blocks that only a finishing sequence can free
             return
         try:
-            self._run(batch)
+            self._raise_injected_failure()
+            logits = self.runner.run(batch)
+            self._postprocess(batch, logits)
         except Exception as exc:  # a failure belongs to the requests in this batch; the loop keeps serving
             logger.exception("step failed; failing %d sequences", len(batch))
             for seq in batch.seqs:
                 if not seq.is_finished:
                     self._fail(seq.request.request_id, exc)
 
-    def _run(self, batch: ScheduledBatch) -> None:
-        samples = [
-            seq.num_computed_tokens + n == seq.num_tokens and seq.num_output_tokens < seq.max_tokens
-            for seq, n in zip(batch.seqs, batch.num_new_tokens)
-        ]
-        wants_prompt = [seq.wants_prompt_logprobs for seq in batch.seqs]
+    def _raise_injected_failure(self) -> None:
         if self._injected_failure is not None:
             with self._lock:
                 failure, self._injected_failure = self._injected_failure, None
             raise failure
-        logits = self.runner.run(batch, samples, wants_prompt)
-        starts = [seq.num_computed_tokens for seq in batch.seqs]
-        self.scheduler.mark_computed(batch)
 
+    def _postprocess(self, batch: ScheduledBatch, logits: StepLogits) -> None:
         for i, chunk_logits in logits.prompt_logits.items():
-            self._add_prompt_logprobs(batch.seqs[i], starts[i], chunk_logits)
-        sampling = [seq for seq, s in zip(batch.seqs, samples) if s]
+            seq = batch.seqs[i]
+            seq.request.prompt_logprobs.add_chunk(seq.num_computed_tokens, chunk_logits)
+        self.scheduler.mark_computed(batch)
+        sampling = [seq for seq, s in zip(batch.seqs, batch.samples) if s]
         results = sample(logits.sample_logits, sampling, self.tokenizer.eos_ids) if sampling else []
         for seq, (token_id, logprob) in zip(sampling, results):
             self._append(seq, token_id, logprob)
-        for seq, s in zip(batch.seqs, samples):
+        for seq, s in zip(batch.seqs, batch.samples):
             # A prompt-only request (max_tokens 0: scoring, echo) ends once its prefill is done.
             if not s and seq.max_tokens == 0 and seq.num_computed_tokens >= seq.num_tokens:
                 self._emit(seq, [], "", None, "length")
@@ -554,21 +464,6 @@ class Engine:
             seq.max_tokens = max_tokens
             request.sequences.append(seq)
             self.scheduler.add(seq)
-
-    def _add_prompt_logprobs(self, seq: Sequence, start: int, chunk_logits: torch.Tensor) -> None:
-        """Row p of the chunk predicts token start+p+1; keep those that are prompt tokens."""
-        request = seq.request
-        partial = request.partial_prompt_logprobs
-        del partial[start + 1 :]  # a recomputation after preemption replaces what it recomputes
-        logprobs = torch.log_softmax(chunk_logits, dim=-1)
-        num_top = seq.params.prompt_logprobs
-        for row in range(logprobs.shape[0]):
-            position = start + row + 1
-            if position >= seq.num_prompt_tokens:
-                break
-            partial.append(token_logprob(logprobs[row], seq.token_ids[position], num_top))
-        if len(partial) >= seq.num_prompt_tokens:
-            request.prompt_logprobs = partial
 
     def _append(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> None:
         params = seq.params
@@ -601,9 +496,7 @@ class Engine:
         if entry is None:
             return
         stream = entry[1]
-        prompt_logprobs = None
-        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
-            prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
+        prompt_logprobs = None if request.prompt_logprobs is None else request.prompt_logprobs.take_for_emit()
         out = RequestOutput(
             request.request_id,
             seq.index,

@@ -63,20 +63,31 @@ class PackedInt8Linear(nn.Module):
 
 
 class Int8Embedding(nn.Module):
-    """Row lookup of an int8 matrix with one scale per row (the matrix a tied int8 lm_head shares), stored in row
-    order or, when `packed`, in layouts.pack_int8's layout."""
+    """Row lookup of an int8 matrix with one scale per row (the matrix a tied int8 lm_head shares), in row order."""
 
-    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, padding_idx: int | None = None,
-                 packed: bool = False) -> None:
+    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, padding_idx: int | None = None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = weight_int8.shape
         self.padding_idx = padding_idx
-        self.packed = packed
         self.register_buffer("weight_int8", weight_int8)
         self.register_buffer("scales", scales)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = layouts.int8_rows(self.weight_int8, input_ids) if self.packed else self.weight_int8[input_ids]
+        return self.weight_int8[input_ids].to(self.scales.dtype) * self.scales[input_ids].unsqueeze(-1)
+
+
+class PackedInt8Embedding(nn.Module):
+    """Int8Embedding's matrix in layouts.pack_int8's layout: the one a PackedInt8Linear lm_head is tied to."""
+
+    def __init__(self, weight_packed: torch.Tensor, scales: torch.Tensor, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight_packed.shape
+        self.padding_idx = padding_idx
+        self.register_buffer("weight_packed", weight_packed)
+        self.register_buffer("scales", scales)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = layouts.int8_rows(self.weight_packed, input_ids)
         return rows.to(self.scales.dtype) * self.scales[input_ids].unsqueeze(-1)
 
 

@@ -28,12 +28,26 @@ class RequestOutput:
 
 @dataclass
 class Choice:
+    """One sample's outputs added up: what the API answers and the UI shows, accumulated in one place."""
+
     index: int
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: list[TokenLogprob] | None = None  # None unless asked for
+    text_offsets: list[int] = field(default_factory=list)  # [i]: len(text) before token i's text was added
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text_offsets += [len(self.text)] * len(out.token_ids)
+        self.token_ids += out.token_ids
+        self.text += out.text
+        if out.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += out.logprobs
+        if out.finish_reason is not None:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
 
 
 @dataclass
@@ -50,13 +64,7 @@ class Completion:
     def add(self, out: RequestOutput) -> None:
         while len(self.choices) <= out.index:
             self.choices.append(Choice(index=len(self.choices)))
-        choice = self.choices[out.index]
-        choice.token_ids += out.token_ids
-        choice.text += out.text
-        if out.logprobs is not None:
-            choice.logprobs = (choice.logprobs or []) + out.logprobs
-        if out.finish_reason is not None:
-            choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
+        self.choices[out.index].add(out)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.num_prompt_tokens = out.num_prompt_tokens

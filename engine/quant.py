@@ -39,6 +39,7 @@ from engine.layers import (
     PackedBf16Embedding,
     PackedBf16Linear,
     PackedInt4Linear,
+    PackedInt8Embedding,
     PackedInt8Linear,
 )
 
@@ -184,7 +185,8 @@ def pack_for_cpu(model: nn.Module, kernels: CpuKernels) -> None:
             counts[type(new).__name__] = counts.get(type(new).__name__, 0) + 1
     embedding = _input_embedding(model)
     if isinstance(embedding, Int8Embedding) and id(embedding.weight_int8) in int8_packed:
-        embedding.weight_int8, embedding.packed = int8_packed[id(embedding.weight_int8)], True
+        packed = int8_packed[id(embedding.weight_int8)]
+        _replace(model, embedding, PackedInt8Embedding(packed, embedding.scales, embedding.padding_idx))
     if isinstance(embedding, nn.Embedding) and embedding.weight.data_ptr() in bf16_packed:
         _replace(model, embedding, PackedBf16Embedding(bf16_packed[embedding.weight.data_ptr()], embedding.padding_idx))
     if counts:

@@ -1,4 +1,4 @@
-"""Request (what a client asked for) and Sequence (one of its n samples, as the scheduler sees it)."""
+"""Request (what a client asked for), its PromptLogprobs, and Sequence (one of its n samples, as the scheduler sees it)."""
 from __future__ import annotations
 
 import enum
@@ -31,6 +31,47 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
+def token_logprob(row_logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
+    """Logprob of token_id in one row of log-softmaxed logits, with the num_top best alternatives."""
+    top: list[tuple[int, float]] = []
+    if num_top > 0:
+        values, ids = row_logprobs.topk(num_top)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token_id, float(row_logprobs[token_id]), top)
+
+
+class PromptLogprobs:
+    """A request's prompt logprobs (echo, scoring): one entry per prompt token, None for the first (nothing
+    predicts it). Filled chunk by chunk as the prompt is prefilled, by one of its samples; sent once, with the
+    request's first output after it is complete."""
+
+    def __init__(self, prompt_ids: list[int], num_top: int) -> None:
+        self._prompt_ids = prompt_ids
+        self._num_top = num_top
+        self._entries: list[TokenLogprob | None] = [None]
+        self.is_complete = False
+        self._is_sent = False
+
+    def add_chunk(self, start: int, chunk_logits: torch.Tensor) -> None:
+        """Logits of the prompt positions from `start` on: row p predicts token start+p+1; keep those that are
+        prompt tokens. A recomputation after preemption replaces what it recomputes."""
+        del self._entries[start + 1 :]
+        logprobs = torch.log_softmax(chunk_logits, dim=-1)
+        for row in range(logprobs.shape[0]):
+            position = start + row + 1
+            if position >= len(self._prompt_ids):
+                break
+            self._entries.append(token_logprob(logprobs[row], self._prompt_ids[position], self._num_top))
+        self.is_complete = len(self._entries) >= len(self._prompt_ids)
+
+    def take_for_emit(self) -> list[TokenLogprob | None] | None:
+        """All entries, the first time they are asked for once complete; None before and after that."""
+        if not self.is_complete or self._is_sent:
+            return None
+        self._is_sent = True
+        return self._entries
+
+
 @dataclass
 class Request:
     request_id: str
@@ -38,10 +79,12 @@ class Request:
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     sequences: list[Sequence] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # complete once the first prefill is done
-    partial_prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])  # chunk by chunk
-    prompt_logprobs_sent: bool = False
+    prompt_logprobs: PromptLogprobs | None = field(default=None, init=False)  # None: not asked for
     num_finished: int = 0
+
+    def __post_init__(self) -> None:
+        num_top = self.params.prompt_logprobs
+        self.prompt_logprobs = None if num_top is None else PromptLogprobs(self.prompt_ids, num_top)
 
 
 class Sequence:
@@ -89,4 +132,5 @@ class Sequence:
     @property
     def wants_prompt_logprobs(self) -> bool:
         # One sample per request computes them, once; a recomputation after preemption does not.
-        return self.params.prompt_logprobs is not None and self.index == 0 and self.request.prompt_logprobs is None
+        prompt_logprobs = self.request.prompt_logprobs
+        return prompt_logprobs is not None and self.index == 0 and not prompt_logprobs.is_complete

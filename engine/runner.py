@@ -1,17 +1,28 @@
-"""One forward pass for a scheduled batch: build the input tensors, run the model, return the logits asked for."""
+"""One forward pass for a scheduled batch: build the input tensors, run the model, return the logits asked for.
+
+ModelRunner owns every way a decode step can run (the native C++ step, the compiled step and its build, CUDA
+graphs, the CPU attention kernel), built as engine/decode_path.py planned them; run() alone picks the one that
+serves a step.
+"""
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
 from engine import compiled
+from engine.compiled import CompiledDecode
 from engine.cuda_graphs import DecodeGraphs
-from engine.kv_cache import KVCache
+from engine.kv_cache import BlockAllocator, KVCache
 from engine.models.attention import AttentionGroup, AttentionMetadata
+from engine.native_decode import NativeDecode
 from engine.scheduler import ScheduledBatch
+
+if TYPE_CHECKING:
+    from engine.decode_path import DecodePath
 
 logger = logging.getLogger(__name__)
 
@@ -22,68 +33,111 @@ class StepLogits:
     prompt_logits: dict[int, torch.Tensor]  # batch index -> [chunk length, V]: logits at every new position
 
 
-class ModelRunner:
-    """Runs the native model against the paged KV cache. Owns nothing but scratch; called from one thread."""
+class Runner(Protocol):
+    """What the engine asks of a runner: ModelRunner, or RecomputeRunner on the generic transformers path."""
 
-    def __init__(self, model, kv_cache: KVCache, device: torch.device, decode_attention=None,
-                 native_decode=None) -> None:
-        self.graphs: DecodeGraphs | None = None  # replays decode steps on CUDA when set; see engine/cuda_graphs.py
+    def run(self, batch: ScheduledBatch) -> StepLogits: ...
+
+    @property
+    def decode_step(self) -> str:
+        """`native`, `compiled`, `compiling` (the eager step serves until the compiled one is ready) or `eager`."""
+
+    @property
+    def decode_graphs(self) -> bool:
+        """Whether decode steps replay captured CUDA graphs."""
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """KV blocks the runner holds for itself: the compiled step's warm-up, until the engine thread frees them."""
+
+    @property
+    def has_reserved_blocks_to_free(self) -> bool:
+        """Whether free_reserved_blocks() has blocks to give back now."""
+
+    def free_reserved_blocks(self) -> None:
+        """Engine thread: give the warm-up's blocks back to the allocator once the warm-up has ended."""
+
+    def wait_for_compiled_decode(self, timeout_s: float | None = None) -> bool:
+        """Block until a compile of the decode step has ended (at once when none runs); True when it serves."""
+
+
+class ModelRunner:
+    """Runs the native model against the paged KV cache on the decode path it is built with. Called from one
+    thread; the compiled step's build may run on another, in KV blocks reserved for it."""
+
+    def __init__(self, model, kv_cache: KVCache, device: torch.device, path: DecodePath, allocator: BlockAllocator,
+                 max_num_seqs: int, max_model_len: int, on_compiled: Callable[[], None] = lambda: None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.kv_layers = kv_cache.layers()
         self.block_size = kv_cache.block_size
         self.device = device
-        self.compiled_forward = None  # runs decode steps once set (use_compiled); see engine/compiled.py
-        # The CPU kernel that reads decode steps' keys and values in place (engine.kernels); None: matmuls.
-        usable = (device.type == "cpu" and kv_cache.dtype in (torch.bfloat16, torch.float32)
-                  and kv_cache.head_dim % 16 == 0)
-        self.decode_attention = decode_attention if usable else None
-        # Runs decode steps whose attention that kernel serves, all layers in one C++ call (engine/native_decode.py).
-        self.native_decode = native_decode if self.decode_attention is not None else None
+        self.path = path
+        self.max_num_seqs = max_num_seqs
+        self.native_step = NativeDecode(model, kv_cache, path.kernels) if path.step == "native" else None
+        self.compiled: CompiledDecode | None = None
+        if path.step == "compiled":
+            self.compiled = CompiledDecode(model, self.warm_up, allocator, path.is_compiled_in_background, on_compiled)
+        self.graphs = self._build_graphs(max_model_len) if path.graphs else None
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, samples: list[bool], wants_prompt: list[bool]) -> StepLogits:
-        if self.graphs is not None and not any(wants_prompt) and all(n == 1 for n in batch.num_new_tokens):
+    def run(self, batch: ScheduledBatch) -> StepLogits:
+        """One step, on the path this function alone picks. Prefill and mixed steps run the eager model. A decode
+        step replays a CUDA graph where one covers it and no prompt logits are wanted, else runs the native step,
+        else the compiled step once built, else the eager model; its attention on CPU is the path's kernel
+        (see _group)."""
+        is_decode = batch.is_decode
+        if is_decode and self.graphs is not None and not any(batch.wants_prompt_logits):
             positions = [seq.num_computed_tokens for seq in batch.seqs]
             if self.graphs.covers(len(positions), max(positions) + 1):
                 token_ids = [seq.token_ids[p] for seq, p in zip(batch.seqs, positions)]
                 logits = self.graphs.run(token_ids, positions, [seq.block_table for seq in batch.seqs])
-                if not all(samples):
-                    logits = logits[[i for i, s in enumerate(samples) if s]]
+                if not all(batch.samples):
+                    logits = logits[[i for i, s in enumerate(batch.samples) if s]]
                 return StepLogits(logits, {})
         input_ids, positions, meta = self._prepare(batch)
-        forward, compiled_forward = self.model.forward, self.compiled_forward  # read once: another thread sets it
-        decode_only = len(meta.groups) == 1 and meta.groups[0].is_decode
-        if decode_only and self.native_decode is not None and meta.groups[0].kernel is not None:
-            forward = self.native_decode
-        elif decode_only and compiled_forward is not None:
+        forward = self.model.forward
+        compiled_forward = None if self.compiled is None else self.compiled.forward  # once: the build's thread sets it
+        if is_decode and self.native_step is not None:
+            forward = self.native_step
+        elif is_decode and compiled_forward is not None:
             compiled.mark_dynamic(input_ids, positions, meta)
             forward = compiled_forward
         hidden = forward(input_ids, positions, self.kv_layers, meta)
-        return _select_logits(self.model, hidden, batch, samples, wants_prompt)
+        return _select_logits(self.model, hidden, batch)
 
-    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
-        """Decode steps from now on run padded to buckets, replayed from CUDA graphs when capture is set (the
-        compiled forward is what gets captured, when there is one)."""
-        forward = self.model.forward
-        if self.compiled_forward is not None:
-            forward = _marked_dynamic(self.compiled_forward)
-        self.graphs = DecodeGraphs(forward, self.model, self.kv_cache, max_num_seqs, max_model_len, capture)
-        if capture:
-            self.graphs.capture_all()
+    @property
+    def decode_step(self) -> str:
+        if self.native_step is not None:
+            return "native"
+        return "eager" if self.compiled is None else self.compiled.state
 
-    def use_compiled(self, compiled_forward) -> None:
-        """Run decode steps with `compiled_forward` from the next step on (a step reads it once, so a step runs
-        wholly eager or wholly compiled, whichever thread calls this)."""
-        self.compiled_forward = compiled_forward
+    @property
+    def decode_graphs(self) -> bool:
+        return self.graphs is not None
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return 0 if self.compiled is None else self.compiled.num_reserved_blocks
+
+    @property
+    def has_reserved_blocks_to_free(self) -> bool:
+        return self.compiled is not None and self.compiled.has_blocks_to_free
+
+    def free_reserved_blocks(self) -> None:
+        if self.compiled is not None:
+            self.compiled.free_blocks()
+
+    def wait_for_compiled_decode(self, timeout_s: float | None = None) -> bool:
+        return self.compiled is not None and self.compiled.wait(timeout_s)
 
     @torch.inference_mode()
-    def warm_up(self, compiled_forward, block_table: list[int], max_num_seqs: int) -> None:
+    def warm_up(self, compiled_forward, block_table: list[int]) -> None:
         """Compile `compiled_forward` for every batch-size regime by decoding fake sequences whose keys and values
         land in block_table's blocks, which the caller has reserved: so it may run on another thread while this
         runner serves requests from the rest of the cache."""
         started = time.monotonic()
-        sizes = compiled.warmup_batch_sizes(max_num_seqs)
+        sizes = compiled.warmup_batch_sizes(self.max_num_seqs)
         context_len = compiled.warmup_context_len(sizes, self.block_size, len(block_table))
         for size in sizes:
             seqs = [compiled.WarmupSequence([0] * context_len, context_len - 1, block_table) for _ in range(size)]
@@ -91,6 +145,25 @@ class ModelRunner:
             compiled.mark_dynamic(input_ids, positions, meta)
             compiled_forward(input_ids, positions, self.kv_layers, meta)
         logger.info("compiled the decode step for batch sizes %s in %.1f s", sizes, time.monotonic() - started)
+
+    def _build_graphs(self, max_model_len: int) -> DecodeGraphs | None:
+        """Decode steps padded to (batch, context) buckets and captured in CUDA graphs, of the compiled step when
+        there is one; on CPU the same padded steps run uncaptured (how the tests check the padding)."""
+        forward = self.model.forward
+        if self.compiled is not None and self.compiled.forward is not None:
+            forward = _marked_dynamic(self.compiled.forward)
+        capture = self.device.type == "cuda"
+        try:
+            graphs = DecodeGraphs(forward, self.model, self.kv_cache, self.max_num_seqs, max_model_len, capture)
+            if capture:
+                graphs.capture_all()
+            return graphs
+        except Exception as exc:  # e.g. a layer that syncs with the host (bnb-int8's outlier split): eager works
+            logger.warning("capturing the decode step in CUDA graphs failed, running eager: %s: %s",
+                           type(exc).__name__, exc)
+            if capture:
+                torch.cuda.synchronize()
+            return None
 
     def _prepare(self, batch: ScheduledBatch):
         block_size, device = self.block_size, self.device
@@ -107,12 +180,14 @@ class ModelRunner:
             table = seq.block_table
             slots += [table[p // block_size] * block_size + p % block_size for p in range(start, start + length)]
 
+        # Decoding rows attend together (the decode kernels compute each row alone). Each prompt attends alone, on
+        # a view of exactly its own length: padded into one SDPA call with its neighbours, its rows came out in
+        # another float order, which the int8 activations magnified to ~0.5 nats in a score. Alone, a prompt's
+        # logits are the same bits whatever arrives with it.
         decoding = [i for i, n in enumerate(lengths) if n == 1]
-        prefilling = [i for i, n in enumerate(lengths) if n > 1]
-        if decoding and prefilling:  # attend apart, so decoding rows are not padded to the prompts' length
-            groups = [self._group(batch, starts, offsets, part, with_rows=True) for part in (decoding, prefilling)]
-        else:
-            groups = [self._group(batch, starts, offsets, list(range(len(lengths))), with_rows=False)]
+        parts = ([decoding] if decoding else []) + [[i] for i, n in enumerate(lengths) if n > 1]
+        with_rows = len(parts) > 1
+        groups = [self._group(batch, starts, offsets, part, with_rows) for part in parts]
 
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
@@ -146,7 +221,7 @@ class ModelRunner:
         if with_rows:
             rows = torch.tensor([offsets[i] + j for i, n in zip(members, lengths) for j in range(n)], device=device)
 
-        kernel = self.decode_attention if is_decode else None  # reads context_lens and needs no mask
+        kernel = self.path.attention_kernel if is_decode else None  # reads context_lens and needs no mask
         is_causal = True
         if all(start == 0 for start in starts):
             attn_mask = None  # a fresh prefill of every sequence: plain causal attention over its own tokens
@@ -171,14 +246,14 @@ def _marked_dynamic(compiled_forward):
     return forward
 
 
-def _select_logits(model, hidden, batch: ScheduledBatch, samples, wants_prompt) -> StepLogits:
+def _select_logits(model, hidden, batch: ScheduledBatch) -> StepLogits:
     """Only the positions someone reads get logits: each sampler's last token, and every new position of a
     sequence whose prompt logprobs were asked for (echo, scoring)."""
     ends = torch.tensor(batch.num_new_tokens).cumsum(0).tolist()
-    last_rows = [end - 1 for end, s in zip(ends, samples) if s]
+    last_rows = [end - 1 for end, s in zip(ends, batch.samples) if s]
     sample_logits = model.compute_logits(hidden[last_rows]) if last_rows else hidden.new_empty(0, 0)
     prompt_logits = {}
-    for i, wanted in enumerate(wants_prompt):
+    for i, wanted in enumerate(batch.wants_prompt_logits):
         if wanted:
             start = ends[i] - batch.num_new_tokens[i]
             prompt_logits[i] = model.compute_logits(hidden[start : ends[i]])

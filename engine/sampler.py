@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.grammar import mask_logits
-from engine.request import Sequence, TokenLogprob
+from engine.request import Sequence, TokenLogprob, token_logprob
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) -> list[tuple[int, TokenLogprob | None]]:
@@ -18,13 +18,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) 
     logits = mask_logits(logits, [seq.grammar for seq in seqs])
     want_logprobs = [seq.params.logprobs is not None for seq in seqs]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-    logits = _process(logits, seqs, eos_ids)
+    logits = adjust_logits(logits, seqs, eos_ids)
 
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
-        probs = _probabilities(logits[rows], [seqs[i] for i in random_rows])
+        probs = to_probabilities(logits[rows], [seqs[i] for i in random_rows])
         for j, i in enumerate(random_rows):
             token_ids[i] = _draw(probs[j], seqs[i].generator)
 
@@ -38,17 +38,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) 
     return results
 
 
-def token_logprob(row_logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
-    """Logprob of token_id in one row of log-softmaxed logits, with the num_top best alternatives."""
-    top: list[tuple[int, float]] = []
-    if num_top > 0:
-        values, ids = row_logprobs.topk(num_top)
-        top = list(zip(ids.tolist(), values.tolist()))
-    return TokenLogprob(token_id, float(row_logprobs[token_id]), top)
-
-
-def _process(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) -> torch.Tensor:
-    """Penalties, logit_bias and min_tokens, row by row; only rows that ask for them pay for them."""
+def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) -> torch.Tensor:
+    """logit_bias, penalties and min_tokens, row by row; only rows that ask for them pay for them. What greedy
+    rows take the argmax of, and random rows' input to to_probabilities (tests hold each stage to a reference)."""
     cloned = False
     for i, seq in enumerate(seqs):
         params = seq.params
@@ -58,6 +50,9 @@ def _process(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]
         if not cloned:
             logits, cloned = logits.clone(), True
         row = logits[i]
+        # vLLM's order (vllm/v1/sample/sampler.py): the bias first, then the penalties see the biased logits.
+        for token_id, bias in params.logit_bias.items():
+            row[token_id] += bias
         if params.repetition_penalty != 1.0:
             # As transformers and vLLM: over prompt and output, shrink positive logits and grow negative ones.
             seen = torch.tensor(sorted(set(seq.token_ids)), device=row.device, dtype=torch.long)
@@ -68,8 +63,6 @@ def _process(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]
             output = torch.tensor(seq.output_ids, device=row.device, dtype=torch.long)
             counts = torch.bincount(output, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
             row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
-        for token_id, bias in params.logit_bias.items():
-            row[token_id] += bias
         if banned:
             ended = torch.tensor([*eos_ids, *params.stop_token_ids], device=row.device, dtype=torch.long)
             kept = row[ended].clone()
@@ -79,8 +72,9 @@ def _process(logits: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]
     return logits
 
 
-def _probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p cuts, for the rows that sample at random."""
+def to_probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Temperature, then the min-p, top-k and top-p cuts in vLLM's and transformers' order, top-p measured on what
+    the others left: the distribution each row that samples at random draws from."""
     temperatures = torch.tensor([s.params.temperature for s in seqs], device=logits.device, dtype=logits.dtype)
     logits = logits / temperatures[:, None]
     if any(s.params.has_truncation for s in seqs):
@@ -97,13 +91,14 @@ def _truncate(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device)[None, :]
-    remove = ranks >= top_k[:, None]
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    remove |= mass_before >= top_p[:, None]
-    remove |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
+    remove = (ranks >= top_k[:, None]) | (sorted_probs < min_p[:, None] * sorted_probs[:, :1])
     remove[:, 0] = False  # the most likely token always survives
+    # Top-p on what top-k and min-p left, renormalised: keep the smallest prefix whose mass reaches top_p (a token
+    # goes when the mass before it already does).
+    kept_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+    remove |= kept_probs.cumsum(dim=-1) - kept_probs >= top_p[:, None]
+    remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 

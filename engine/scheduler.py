@@ -3,7 +3,9 @@
 Plain Python, no tensors. One policy for prefill and decode (as vLLM v1): every step spends a token budget,
 first on running sequences (one token each when decoding, a chunk when a long prompt is still prefilling), then
 on waiting ones in arrival order. Prompts longer than the budget are prefilled in chunks across steps, so a long
-prompt never stalls the sequences already decoding for more than one budget's worth of work.
+prompt never stalls the sequences already decoding for more than one budget's worth of work. A prompt that fits
+whole beside the running sequences is never split: it waits a step instead, so its logits are the same bits alone
+or under load (the runner attends each prompt alone for the same reason).
 """
 from __future__ import annotations
 
@@ -16,8 +18,22 @@ from engine.request import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
+    """One step's work: which sequences run, how many new tokens each computes, and what each row yields, decided
+    in add() for every runner: a sampled token, and the logits of every new position (prompt logprobs)."""
+
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)  # its new tokens reach its end, and it may still grow
+    wants_prompt_logits: list[bool] = field(default_factory=list)  # echo, scoring: logits at every new position
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+        # A sequence still prefilling a chunk of its prompt samples nothing yet, nor does a prompt-only request
+        # (max_tokens 0: echo, scoring).
+        is_last_chunk = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
+        self.samples.append(is_last_chunk and seq.num_output_tokens < seq.max_tokens)
+        self.wants_prompt_logits.append(seq.wants_prompt_logprobs)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -25,6 +41,11 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds one token: the steady state of serving, which the fast decode paths serve."""
+        return all(n == 1 for n in self.num_new_tokens)
 
 
 class Scheduler:
@@ -63,8 +84,7 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._grow(seq, num_new):
                 continue  # seq itself was preempted; running shrank, so index i is already the next one
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
+            batch.add(seq, num_new)
             budget -= num_new
             i += 1
         # Admitting new work right after preempting would only preempt again.
@@ -74,7 +94,15 @@ class Scheduler:
             if self._sibling_is_prefilling(seq):
                 break  # n > 1: the other samples wait one step and then share the prompt's cached blocks
             reused = self._reuse_cached_prefix(seq)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if budget < remaining <= self.max_num_batched_tokens - len(self.running):
+                # It fits whole beside the running sequences in a coming step: wait for that rather than split it
+                # here, where the split point depends on what else arrived (and with it the logits' float order).
+                if reused:
+                    self._free_blocks(seq)
+                    seq.num_computed_tokens = 0
+                break
+            num_new = min(remaining, budget)
             needed = blocks_needed(seq.num_computed_tokens + num_new, self.block_size) - len(seq.block_table)
             if not self.allocator.can_allocate(needed):
                 if reused:  # hand the cached blocks back rather than hold them while waiting
@@ -85,8 +113,7 @@ class Scheduler:
             seq.block_table += self.allocator.allocate(needed)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
+            batch.add(seq, num_new)
             budget -= num_new
         return batch
 

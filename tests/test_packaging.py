@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
 import subprocess
 import sys
@@ -152,6 +154,31 @@ def test_cli_help_lists_every_flag():
     assert "TERN_PORT" in out
 
 
+def test_make_run_and_the_image_listen_on_the_port_the_space_and_health_check_use(monkeypatch):
+    """`make run` starts app.py with no flags, the image with its CMD's: the port each parses to is the one the Space
+    routes to (README's app_port), the image exposes and its health check calls."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from app import parse_args
+
+    for name in [name for name in os.environ if name.startswith("TERN_")]:
+        monkeypatch.delenv(name)
+    dockerfile = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")  # continuation lines joined
+    cmd = json.loads(re.search(r"^CMD (\[.*\])$", dockerfile, re.M).group(1))
+    assert cmd[:2] == ["python", "app.py"]
+    listens = {"make run": parse_args([])[0].port, "image": parse_args(cmd[2:])[0].port}
+    front = re.match(r"^---\n(.*?)\n---\n", (ROOT / "README.md").read_text(), re.S).group(1)
+    expected = {
+        "README app_port": int(re.search(r"^app_port: (\d+)$", front, re.M).group(1)),
+        "EXPOSE": int(re.search(r"^EXPOSE (\d+)$", dockerfile, re.M).group(1)),
+        "HEALTHCHECK": int(re.search(r"//127\.0\.0\.1:(\d+)/health", dockerfile).group(1)),
+    }
+    assert len({*listens.values(), *expected.values()}) == 1, (listens, expected)
+    # Where a Space or a user moves it, TERN_PORT does, and --port over it.
+    monkeypatch.setenv("TERN_PORT", "8123")
+    assert parse_args([])[0].port == 8123
+    assert parse_args(["--port", "9000"])[0].port == 9000
+
+
 def test_drain_body_size_and_cors_flags_default_and_read_their_env(monkeypatch):
     sys.path.insert(0, str(ROOT))
     from app import parse_args
@@ -169,7 +196,7 @@ def test_drain_body_size_and_cors_flags_default_and_read_their_env(monkeypatch):
     assert parse_args(["--drain-timeout", "0"])[0].drain_timeout_s == 0.0  # end what runs at once
 
 
-def test_engine_imports_nothing_from_api_or_ui():
+def test_engine_imports_no_web_code_nor_api_or_ui():
     for path in (ROOT / "engine").rglob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -180,4 +207,5 @@ def test_engine_imports_nothing_from_api_or_ui():
                 names = [node.module]
             for name in names:
                 top = name.split(".")[0]
-                assert top not in {"api", "ui", "fastapi", "gradio", "starlette"}, f"{path}: imports {name}"
+                assert top not in {"api", "ui", "fastapi", "starlette", "uvicorn", "gradio", "pydantic"}, \
+                    f"{path}: imports {name}"

@@ -1,9 +1,10 @@
 """Chat tab: multi-turn streaming chat with a system prompt, sampling controls, an optional JSON schema for the
-reply, Stop / Retry / Clear and a view of each token's probability. Handlers take the EngineHandle first;
-build_chat_tab binds it."""
+reply, Stop / Retry / Clear (one reply at a time: sending is locked while one streams) and a view of each token's
+probability. Handlers take the EngineHandle first; build_chat_tab binds it."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from functools import partial
 
 import gradio as gr
@@ -18,6 +19,26 @@ from ui.tokens import LEGEND_HTML, render_tokens_html, token_views
 # assistant turn made under a JSON schema also has "json_check": JsonCheck (ui/schema.py). "content" is always the
 # raw text: the chatbot shows a rendering of it; the prompt is built from it, never from the rendered HTML.
 
+INPUT_PLACEHOLDER = "Type a message and press Enter"
+BUSY_PLACEHOLDER = "Replying\u2026 wait for the reply to finish, or press Stop"
+# A disabled textbox loses the keyboard focus; give it back once the reply has ended, unless the user has since
+# put the focus somewhere else. A frame later: the textbox is enabled by then.
+REFOCUS_JS = """() => requestAnimationFrame(() => {
+  if (document.activeElement && document.activeElement !== document.body) return;
+  document.querySelector('#chat-input textarea')?.focus();
+})"""
+
+
+@dataclass
+class ChatSession:
+    """What the events of one browser tab share. It lives in a gr.State, and Gradio hands every event of that tab
+    the same object, so a reply that is streaming sees the tab's later clicks: it renders each update in the view
+    the "Show token probabilities" checkbox chose at that moment, so a toggle applies mid-stream; and it stops once
+    Clear has emptied the conversation it belongs to."""
+
+    show_probs: bool = False
+    num_clears: int = 0
+
 
 def add_user_message(message: str, history: list[dict], show_probs: bool) -> tuple:
     """Append the typed message to the conversation and clear the textbox. -> (textbox, history, chatbot, notice)"""
@@ -31,7 +52,7 @@ async def generate_reply(
     handle: EngineHandle,
     history: list[dict],
     system_prompt: str,
-    show_probs: bool,
+    session: ChatSession,
     temperature: float,
     top_p: float,
     top_k: int,
@@ -41,16 +62,17 @@ async def generate_reply(
     schema_text: str = "",
 ):
     """Stream the assistant's answer to the last user turn. Yields (chatbot, history, notice) as tokens arrive.
-    With a JSON schema the reply is held to it, then shown indented with whether it validated.
+    With a JSON schema the reply is held to it, then shown indented with whether it validated. Each update renders
+    the chatbot in the view chosen at that moment (`session.show_probs` may change while the reply streams).
 
     Stop, closing the tab and Gradio's cancellation all end this generator early; `finally` then aborts the
     request so the engine frees its KV blocks."""
     if not history or history[-1]["role"] != "user":
-        yield render_chatbot(history, show_probs), history, ""
+        yield render_chatbot(history, session.show_probs), history, ""
         return
     engine = ready_engine(handle)
     if engine is None:
-        yield render_chatbot(history, show_probs), history, f"\u26a0\ufe0f {not_ready_message(handle)}"
+        yield render_chatbot(history, session.show_probs), history, f"\u26a0\ufe0f {not_ready_message(handle)}"
         return
     try:
         # Off the event loop: compiling a schema must not hold up the other users' streams.
@@ -59,8 +81,9 @@ async def generate_reply(
                                  grammar=schema.grammar if schema else None)
         stream = engine.submit(engine.tokenizer.chat_prompt_ids(build_messages(history, system_prompt)), params)
     except EngineError as exc:
-        yield render_chatbot(history, show_probs), history, report_error(exc)
+        yield render_chatbot(history, session.show_probs), history, report_error(exc)
         return
+    num_clears = session.num_clears
     reply = {"role": "assistant", "content": "", "tokens": []}
     if schema:
         reply["json_check"] = STREAMING
@@ -68,6 +91,10 @@ async def generate_reply(
     notice = ""
     try:
         async for out in stream:
+            # Clear cancels this generator, but Gradio does so in a separate request: a token that arrives first must
+            # not write the cleared conversation back into the chatbot and the history.
+            if session.num_clears != num_clears:
+                return
             reply["content"] += out.text
             reply["tokens"] += token_views(out.logprobs or [], engine.tokenizer.token_text, engine.tokenizer.eos_ids)
             if out.finish_reason == "length":
@@ -76,9 +103,9 @@ async def generate_reply(
                 notice = "\u26a0\ufe0f The server is shutting down: the reply was cut short."
             if schema and out.finish_reason:
                 reply["json_check"] = check_reply(reply["content"], schema.schema, out.finish_reason, params.max_tokens)
-            yield render_chatbot(history, show_probs), history, notice
+            yield render_chatbot(history, session.show_probs), history, notice
     except Exception as exc:  # a failure delivered mid-stream; the conversation so far stays usable
-        yield render_chatbot(history, show_probs), history, report_error(exc)
+        yield render_chatbot(history, session.show_probs), history, report_error(exc)
     finally:
         if not stream.finished:  # stopped early: free the engine's KV blocks now
             engine.abort(stream.request_id)
@@ -91,8 +118,24 @@ def drop_last_reply(history: list[dict], show_probs: bool) -> tuple:
     return history, render_chatbot(history, show_probs), ""
 
 
-def clear_chat() -> tuple:
-    """-> (chatbot, history, notice), all empty."""
+def show_token_view(session: ChatSession, history: list[dict], show_probs: bool) -> tuple:
+    """The "Show token probabilities" checkbox: re-render the chatbot now, and tell a reply that is still streaming
+    to keep to the new view. -> (chatbot, legend)"""
+    session.show_probs = show_probs
+    return render_chatbot(history, show_probs), gr.update(visible=show_probs)
+
+
+def input_updates(is_generating: bool) -> tuple:
+    """(textbox, Send, Retry) while a reply streams or once it has ended: one reply at a time per conversation, so
+    that no second generation races the first over the same history."""
+    placeholder = BUSY_PLACEHOLDER if is_generating else INPUT_PLACEHOLDER
+    return (gr.update(interactive=not is_generating, placeholder=placeholder),
+            gr.update(interactive=not is_generating), gr.update(interactive=not is_generating))
+
+
+def clear_chat(session: ChatSession) -> tuple:
+    """Empty the conversation, and end a reply still streaming into it. -> (chatbot, history, notice), all empty."""
+    session.num_clears += 1
     return [], [], ""
 
 
@@ -121,6 +164,7 @@ def render_chatbot(history: list[dict], show_probs: bool) -> list[dict]:
 def build_chat_tab(handle: EngineHandle) -> None:
     """Lay out the Chat tab and wire its events (inside a gr.Blocks context)."""
     history = gr.State([])
+    session = gr.State(ChatSession())  # deep-copied for each browser tab
     with gr.Row(equal_height=False):
         with gr.Column(scale=3, min_width=320):
             chatbot = gr.Chatbot(
@@ -132,7 +176,7 @@ def build_chat_tab(handle: EngineHandle) -> None:
             notice = gr.Markdown(elem_id="chat-notice")
             with gr.Row(equal_height=True):
                 message = gr.Textbox(
-                    placeholder="Type a message and press Enter", show_label=False, lines=1, max_lines=8,
+                    placeholder=INPUT_PLACEHOLDER, show_label=False, lines=1, max_lines=8,
                     scale=5, min_width=200, elem_id="chat-input", autofocus=True,
                 )
                 send = gr.Button("Send", variant="primary", scale=1, min_width=80, elem_id="chat-send")
@@ -156,7 +200,7 @@ def build_chat_tab(handle: EngineHandle) -> None:
                          "blank = free text. Asking for JSON in the message helps the model fill it in well.",
                 )
 
-    reply_inputs = [history, system_prompt, show_probs, *controls.inputs, schema_box]
+    reply_inputs = [history, system_prompt, session, *controls.inputs, schema_box]
     reply_outputs = [chatbot, history, notice]
     reply = partial(generate_reply, handle)
     send_events = [
@@ -168,10 +212,16 @@ def build_chat_tab(handle: EngineHandle) -> None:
         reply, reply_inputs, reply_outputs, concurrency_limit=None, show_progress="minimal"
     )
     generating = [*send_events, retry_event]
+    # One reply at a time: whatever starts one locks the textbox, Send and Retry in the same click, and they unlock
+    # when it ends. Gradio's front end runs a .then() after the event before it however that one ended: finished,
+    # failed, or cancelled by Stop or Clear.
+    locked = [message, send, retry]
+    for starting in (message.submit, send.click, retry.click):
+        starting(partial(input_updates, True), None, locked, queue=False, show_progress="hidden")
+    for event in generating:
+        event.then(partial(input_updates, False), None, locked, queue=False, show_progress="hidden").then(
+            None, js=REFOCUS_JS)
     stop.click(None, cancels=generating)
     for clearing in (clear.click, chatbot.clear):  # our button and the chatbot's own bin icon
-        clearing(clear_chat, None, [chatbot, history, notice], cancels=generating, queue=False)
-    show_probs.change(
-        lambda turns, on: (render_chatbot(turns, on), gr.update(visible=on)),
-        [history, show_probs], [chatbot, legend], queue=False,
-    )
+        clearing(clear_chat, [session], [chatbot, history, notice], cancels=generating, queue=False)
+    show_probs.change(show_token_view, [session, history, show_probs], [chatbot, legend], queue=False)

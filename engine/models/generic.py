@@ -12,13 +12,26 @@ from engine.scheduler import ScheduledBatch
 
 
 class RecomputeRunner:
+    """engine.runner.Runner for the generic path: every step eager, nothing compiled, captured or reserved."""
+
+    decode_step = "eager"
+    decode_graphs = False
+    num_reserved_blocks = 0
+    has_reserved_blocks_to_free = False
+
     def __init__(self, model, device: torch.device, pad_token_id: int = 0) -> None:
         self.model = model
         self.device = device
         self.pad_token_id = pad_token_id
 
+    def free_reserved_blocks(self) -> None:
+        pass
+
+    def wait_for_compiled_decode(self, timeout_s: float | None = None) -> bool:
+        return False
+
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, samples: list[bool], wants_prompt: list[bool]) -> StepLogits:
+    def run(self, batch: ScheduledBatch) -> StepLogits:
         ends = [seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_new_tokens)]
         width = max(ends)
         input_ids = torch.full((len(ends), width), self.pad_token_id, dtype=torch.long)
@@ -30,11 +43,11 @@ class RecomputeRunner:
         logits = self.model(
             input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), use_cache=False
         ).logits.float()
-        sample_rows = [logits[i, end - 1] for i, (end, s) in enumerate(zip(ends, samples)) if s]
+        sample_rows = [logits[i, end - 1] for i, (end, s) in enumerate(zip(ends, batch.samples)) if s]
         sample_logits = torch.stack(sample_rows) if sample_rows else logits.new_empty(0, 0)
         prompt_logits = {
             i: logits[i, end - batch.num_new_tokens[i] : end]
-            for i, (end, wanted) in enumerate(zip(ends, wants_prompt))
+            for i, (end, wanted) in enumerate(zip(ends, batch.wants_prompt_logits))
             if wanted
         }
         return StepLogits(sample_logits, prompt_logits)

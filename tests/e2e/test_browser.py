@@ -207,3 +207,113 @@ def test_chat_json_schema_gives_an_indented_validated_reply(page):
     assert bubble.get_by_text("\u2713 Valid JSON: it matches the schema.").is_visible()
     screenshot(page, "chat-json-schema")
     page.fill("#chat-schema textarea", "")  # back to free text for whatever runs next
+
+
+LONG_STORY = "Write a very long story about a dragon who learns to paint."
+SENDING = ["#chat-input textarea", "#chat-send", "#chat-retry"]  # what could start a second reply
+
+
+def start_long_reply(page) -> None:
+    """A fresh conversation whose reply streams for minutes (greedy, 1500 tokens: it does not end by itself), once
+    its first words are shown."""
+    open_tab(page, "Chat")
+    page.click("#chat-clear")
+    page.wait_for_function("() => !document.querySelector('#chat-log [data-testid=bot]')")
+    if not page.locator("#chat-max-tokens input[type=number]").is_visible():
+        page.locator("#chat-sampling").click()  # the collapsed sampling panel (when this test runs alone)
+    set_number(page, "chat-temperature", "0")
+    set_number(page, "chat-max-tokens", "1500")
+    page.fill("#chat-input textarea", LONG_STORY)
+    page.click("#chat-send")
+    wait_for_more_reply(page, "")
+
+
+def wait_for_more_reply(page, shown: str, num_chars: int = 40) -> str:
+    """Until the last reply has grown num_chars past `shown`; -> the reply then."""
+    page.wait_for_function(f"n => ({LAST_BOT_TEXT})().length >= n", arg=len(shown) + num_chars)
+    return last_bot_text(page)
+
+
+def wait_until_sending_is_possible(page) -> None:
+    page.wait_for_function(
+        "selectors => selectors.every(s => !document.querySelector(s).disabled)", arg=SENDING
+    )
+
+
+def test_no_second_message_while_a_reply_streams(page):
+    start_long_reply(page)
+    assert page.locator("#chat-input textarea").input_value() == ""  # the message went into the conversation
+    # Nothing can start a second reply: the textbox, Send and Retry are disabled, and the textbox says why.
+    assert all(page.locator(selector).is_disabled() for selector in SENDING)
+    assert "wait for the reply" in page.locator("#chat-input textarea").get_attribute("placeholder")
+    shown = last_bot_text(page)
+    page.locator("#chat-send").click(force=True)  # what a user can still try: click anyway, press Enter
+    page.locator("#chat-retry").click(force=True)
+    page.locator("#chat-input textarea").click(force=True)
+    page.keyboard.press("Enter")
+    # The one reply goes on where it was (Retry did not restart it), and no second turn has appeared.
+    later = wait_for_more_reply(page, shown)
+    assert later.startswith(shown)
+    assert page.locator("#chat-log [data-testid=user]").count() == 1
+    assert page.locator("#chat-log [data-testid=bot]").count() == 1
+    screenshot(page, "chat-replying")
+    # Stop ends it, and sending works again.
+    page.click("#chat-stop")
+    wait_until_sending_is_possible(page)
+    assert page.locator("#chat-input textarea").get_attribute("placeholder") == "Type a message and press Enter"
+    page.fill("#chat-input textarea", "What is the capital of France?")
+    page.press("#chat-input textarea", "Enter")
+    wait_for_reply(page, "Paris")  # a reply that ends by itself: the model's end of text
+    wait_until_sending_is_possible(page)
+    # The cursor is back in the textbox, so the next message can be typed straight away.
+    page.wait_for_function("() => document.activeElement === document.querySelector('#chat-input textarea')")
+    assert page.locator("#chat-log [data-testid=user]").count() == 2
+    assert page.locator("#chat-log [data-testid=bot]").count() == 2
+    # Retry answers the last turn again, in place: it locks sending while it replies, and unlocks when done.
+    page.click("#chat-retry")
+    page.wait_for_function("() => document.querySelector('#chat-send').disabled")
+    wait_for_reply(page, "Paris")
+    wait_until_sending_is_possible(page)
+    assert page.locator("#chat-log [data-testid=user]").count() == 2
+    assert page.locator("#chat-log [data-testid=bot]").count() == 2
+
+
+def test_clear_mid_stream_ends_the_reply_and_sending_works_again(page):
+    start_long_reply(page)
+    page.click("#chat-clear")
+    page.wait_for_function("() => !document.querySelector('#chat-log [data-testid=bot]')")
+    wait_until_sending_is_possible(page)
+    # The engine dropped the request: the Server tab's live load returns to zero running requests.
+    open_tab(page, "Server")
+    page.wait_for_function("() => /Running requests\\s*0\\b/.test(document.querySelector('#server-stats').innerText)")
+    open_tab(page, "Chat")
+    # Nothing came back after the clear, and the next message starts a new conversation.
+    assert page.locator("#chat-log [data-testid=bot]").count() == 0
+    page.fill("#chat-input textarea", "What is the capital of France?")
+    page.press("#chat-input textarea", "Enter")
+    wait_for_reply(page, "Paris")
+    assert page.locator("#chat-log [data-testid=user]").count() == 1
+
+
+def test_token_probabilities_switch_while_a_reply_streams(page):
+    checkbox = page.locator("#chat-show-probs input[type=checkbox]")
+    checkbox.uncheck()
+    start_long_reply(page)
+    tokens = page.locator("#chat-log [data-testid=bot] .tern-token")
+    checkbox.check()
+    tokens.first.wait_for()  # at once, not when the reply ends
+    assert page.locator("#chat-legend").is_visible()
+    # The reply keeps streaming, coloured token by token.
+    page.wait_for_function(
+        "n => document.querySelectorAll('#chat-log [data-testid=bot] .tern-token').length >= n",
+        arg=tokens.count() + 10,
+    )
+    assert page.locator("#chat-send").is_disabled()  # still replying
+    screenshot(page, "chat-token-probabilities-streaming")
+    checkbox.uncheck()
+    page.wait_for_function("() => !document.querySelector('#chat-log .tern-token')")
+    wait_for_more_reply(page, last_bot_text(page))  # plain text again, still streaming
+    assert tokens.count() == 0 and not page.locator("#chat-legend").is_visible()
+    page.click("#chat-stop")
+    wait_until_sending_is_possible(page)
+    set_number(page, "chat-max-tokens", "256")

@@ -34,14 +34,36 @@ def _outputs(engine: Engine, prompts: list[list[int]]) -> list[tuple[list[int], 
     """(token ids, logprob entries) of each sequence: three alone, all at once, four arriving mid-decode."""
     runs = [engine.generate([p], PARAMS)[0] for p in prompts[:3]]
     runs += engine.generate(prompts, PARAMS)
-    streams = []
-    for prompt in prompts[:4]:  # each joins while the earlier ones decode: mixed steps, then decode steps
-        streams.append(engine.submit(prompt, PARAMS))
-        time.sleep(0.01)
-    staggered = [[out for out in stream] for stream in streams]
+    staggered = _staggered(engine, prompts[:4])
     results = [(c.choices[0].token_ids, c.choices[0].logprobs) for c in runs]
     results += [([t for o in outs for t in o.token_ids], [e for o in outs for e in o.logprobs]) for outs in staggered]
     return results
+
+
+def _staggered(engine: Engine, prompts: list[list[int]], join_every: int = 3) -> list[list]:
+    """The outputs of each prompt, each joining `join_every` steps after the one before while the earlier ones
+    decode: mixed steps, then decode steps. Joins are submitted on the engine's thread right after a step, so both
+    twins run the very same batches: bf16 rounding depends on the batch, and a sleep between submissions once left
+    the batches to a loaded machine's timing."""
+    pending, streams = list(prompts[1:]), []
+    step, num_steps = engine.step, 0
+
+    def step_then_join() -> None:
+        nonlocal num_steps
+        before = engine.stats().num_steps
+        step()
+        num_steps += engine.stats().num_steps - before  # a step that found nothing to schedule does not count
+        if pending and num_steps == join_every * len(streams):
+            streams.append(engine.submit(pending.pop(0), PARAMS))
+
+    engine.step = step_then_join  # the loop calls self.step: from its next step on, this
+    try:
+        streams.append(engine.submit(prompts[0], PARAMS))
+        first = list(streams[0])  # 20 tokens: every later prompt has joined by its last step
+        assert not pending and len(streams) == len(prompts)
+        return [first] + [list(stream) for stream in streams[1:]]
+    finally:
+        del engine.step
 
 
 def _assert_same_up_to_ties(ours, eager, tie: float) -> None:

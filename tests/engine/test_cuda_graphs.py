@@ -4,10 +4,12 @@ The padding (scratch slot, masks, buckets) runs uncaptured on CPU, so CI checks 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from engine import SamplingParams
+from engine import SamplingParams, decode_path
 from engine.cuda_graphs import batch_buckets, context_buckets
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -28,11 +30,15 @@ def _prompts(count: int, seed: int, longest: int = 60) -> list[list[int]]:
     return [torch.randint(3, 1000, (n,), generator=generator).tolist() for n in lengths]
 
 
-def _padded_twin(factory, device: str, capture: bool, **engine_config):
-    """An engine whose decode steps run padded to buckets (captured when `capture`), and its plain twin."""
-    plain, _ = factory("llama", device=device, cuda_graphs=False, **engine_config)
-    padded, _ = factory("llama", device=device, cuda_graphs=False, **engine_config)
-    padded.runner.use_decode_graphs(padded.config.max_num_seqs, padded.max_model_len, capture=capture)
+def _padded_twin(factory, monkeypatch, **engine_config):
+    """An engine on CPU whose decode steps run padded to buckets as CUDA graphs would (uncaptured: the planner
+    plans graphs on CUDA only, so this one is told to), and its plain twin."""
+    plain, _ = factory("llama", device="cpu", **engine_config)
+    planned = decode_path.plan_decode_path
+    with monkeypatch.context() as patch:
+        patch.setattr(decode_path, "plan_decode_path", lambda *args: dataclasses.replace(planned(*args), graphs=True))
+        padded, _ = factory("llama", device="cpu", **engine_config)
+    assert padded.decode_graphs and not plain.decode_graphs and not padded.runner.graphs.capture
     return plain, padded
 
 
@@ -45,9 +51,9 @@ def _same_completions(plain, padded, prompts, params, tolerance=1e-4):
             assert x.logprob == pytest.approx(y.logprob, abs=tolerance)
 
 
-def test_padded_decode_steps_give_the_eager_tokens_on_cpu(tiny_engine_factory):
+def test_padded_decode_steps_give_the_eager_tokens_on_cpu(tiny_engine_factory, monkeypatch):
     # 5 sequences pad to a batch of 6; contexts cross the 256-token bucket into the last one (512) mid-decode.
-    plain, padded = _padded_twin(tiny_engine_factory, "cpu", capture=False, max_num_seqs=6)
+    plain, padded = _padded_twin(tiny_engine_factory, monkeypatch, max_num_seqs=6)
     assert padded.runner.graphs.batch_sizes == [1, 2, 4, 6]
     prompts = _prompts(4, seed=1) + [_prompts(1, seed=2)[0] * 40][:1]
     prompts[-1] = prompts[-1][:240]
@@ -57,8 +63,8 @@ def test_padded_decode_steps_give_the_eager_tokens_on_cpu(tiny_engine_factory):
     _same_completions(plain, padded, prompts[:1], SamplingParams(temperature=0.8, seed=3, max_tokens=12, logprobs=0))
 
 
-def test_padding_rows_write_only_the_scratch_slot(tiny_engine_factory):
-    _, padded = _padded_twin(tiny_engine_factory, "cpu", capture=False, max_num_seqs=4)
+def test_padding_rows_write_only_the_scratch_slot(tiny_engine_factory, monkeypatch):
+    _, padded = _padded_twin(tiny_engine_factory, monkeypatch, max_num_seqs=4)
     cache = padded.kv_cache
     before = [k[: cache.scratch_slot].clone() for k in cache.keys]
     graphs = padded.runner.graphs

@@ -51,10 +51,18 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(tiny_engine_f
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, seed=1234, ignore_eos=True)
     target = _prompts(1, seed=7)[0]
     alone = engine.generate([target], params)[0].choices[0].token_ids
-    crowd = engine.generate(_prompts(5) + [target], SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True))
-    [in_crowd] = [c for c in engine.generate([*_prompts(3, seed=3), target], params)][-1:]
+    # Among unseeded random requests, which draw in the same steps from generators of their own.
+    unseeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    streams = [engine.submit(p, unseeded) for p in _prompts(5)]
+    streams.insert(2, engine.submit(target, params))
+    crowd = [list(stream) for stream in streams]
+    assert [t for out in crowd[2] for t in out.token_ids] == alone
+    for outs in crowd:  # and the crowd is served as it asked: 16 tokens each, one finish_reason, at the end
+        assert sum(len(out.token_ids) for out in outs) == 16
+        assert [out.finish_reason for out in outs if out.finish_reason] == ["length"] == [outs[-1].finish_reason]
+    # Among requests with the same settings and seed.
+    in_crowd = engine.generate([*_prompts(3, seed=3), target], params)[-1]
     assert in_crowd.choices[0].token_ids == alone
-    assert len(crowd) == 6
     other_seed = engine.generate([target], SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True))
     assert other_seed[0].choices[0].token_ids != alone  # the seed matters
 
@@ -189,6 +197,31 @@ def test_score_ranks_the_models_own_greedy_continuation_first(tiny_engine_factor
     assert scores[0].is_greedy and not scores[1].is_greedy
     assert scores[0].logprob > scores[1].logprob
     assert scores[0].top_token_ids == good
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prompts_logprobs_are_the_same_bits_whatever_arrives_with_it(tiny_engine_factory, dtype):
+    # lm-evaluation-harness scores must not depend on what else the server is doing: the prompt is scored alone,
+    # then together with prompts of other lengths (shorter, longer, long enough to take most of the step) and
+    # beside decoding sequences, and every logprob must be equal, not merely close.
+    engine, _ = tiny_engine_factory(dtype=dtype, max_num_batched_tokens=96)
+    target = _prompts(1, seed=11)[0]
+    scored = SamplingParams(max_tokens=0, prompt_logprobs=1)
+
+    def logprobs(completion):
+        return [(e.token_id, e.logprob) for e in completion.prompt_logprobs[1:]]
+
+    alone = logprobs(engine.generate([target], scored)[0])
+    for others in ([5], [len(target) + 30], [90], [3, 20, 7]):
+        neighbours = [list(range(100, 100 + n)) for n in others]
+        completions = engine.generate([*neighbours, target], scored)
+        assert logprobs(completions[-1]) == alone, f"beside prompts of {others} tokens"
+    long_decode = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    decoding = [engine.submit(p, long_decode) for p in _prompts(3, seed=5)]
+    _wait_until(lambda: engine.stats().num_running == 3)
+    assert logprobs(engine.generate([target], scored)[0]) == alone, "beside decoding sequences"
+    for stream in decoding:
+        engine.abort(stream.request_id)
 
 
 def test_bad_requests_raise_before_anything_is_queued(tiny_engine_factory):

@@ -61,7 +61,7 @@ def test_one_decode_step_matches_the_eager_layers_to_float_rounding(default_toke
         input_ids, positions, meta = runner._prepare(ScheduledBatch(decode, [1] * 3))
         assert meta.groups[0].kernel is not None
         eager = runner.model.forward(input_ids, positions, runner.kv_layers, meta)
-        native = runner.native_decode(input_ids, positions, runner.kv_layers, meta)
+        native = runner.native_step(input_ids, positions, runner.kv_layers, meta)
     assert ((native - eager).norm() / eager.norm()).item() < 1e-5
 
 
@@ -84,7 +84,8 @@ def test_where_the_native_step_cannot_serve_the_engine_says_why_and_decodes_in_p
             if cpu.path == "off":
                 reason = "kernel path is off"
             assert reason in native_decode.unsupported_reason(loaded.model, engine.kv_cache, cpu, dtype)
-            assert engine.decode_step == "eager" and engine.runner.native_decode is None
+            assert engine.decode_step == "eager" and engine.runner.native_step is None
+            assert reason in engine.runner.path.reason
             [completion] = engine.generate([[5, 6, 7]], PARAMS)
             assert len(completion.choices[0].token_ids) == PARAMS.max_tokens
         finally:

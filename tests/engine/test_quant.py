@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny, tiny_config, tiny_quantized_engine
+from conftest import build_tiny, require_op, tiny_config, tiny_quantized_engine
 
 from engine import Engine, EngineConfig, ModelLoadError, SamplingParams
 from engine import kernels, layers, quant
@@ -116,6 +116,35 @@ def test_int8_ties_lm_head_to_the_quantized_embedding(default_tokenizer):
     model = loaded.model
     assert model.lm_head.weight_int8 is model.model.embed_tokens.weight_int8  # one int8 matrix, not two
     assert loaded.weight_bytes < 0.3 * float_bytes  # fp32 -> int8 is 4x, plus scales and fp32 norms
+
+
+def test_packing_swaps_the_int8_embedding_for_its_packed_twin_which_reads_the_same_rows(default_tokenizer,
+                                                                                      path_kernels):
+    require_op(path_kernels.int8_mm, "int8")
+    _, loaded = build_tiny(tiny_config("llama", tie_word_embeddings=True), default_tokenizer, path=path_kernels)
+    quant.quantize(loaded.model, "int8", CPU, torch.float32)
+    plain = loaded.model.model.embed_tokens
+    bytes_before, parameters_before = loaded.weight_bytes, loaded.num_parameters
+    quant.pack_for_cpu(loaded.model, path_kernels)
+    model = loaded.model
+    packed = model.model.embed_tokens
+    assert type(plain) is layers.Int8Embedding and type(packed) is layers.PackedInt8Embedding
+    assert packed.weight_packed is model.lm_head.weight_packed  # still one matrix for both
+    ids = torch.tensor([[0, 5, 17], [3, 3, 49151]])
+    assert torch.equal(packed(ids), plain(ids))
+    assert (loaded.weight_bytes, loaded.num_parameters) == (bytes_before, parameters_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantizing_with_none_leaves_the_model_as_it_was(default_tokenizer, dtype):
+    # Packing bf16 matrices for the AVX512-BF16 kernel is pack_for_cpu's job, never quantize's.
+    _, loaded = build_tiny(tiny_config("llama"), default_tokenizer, dtype=dtype)
+    before = {name: (type(module), [t.data_ptr() for t in [*module.parameters(False), *module.buffers(False)]])
+              for name, module in loaded.model.named_modules()}
+    quant.quantize(loaded.model, "none", CPU, dtype)
+    after = {name: (type(module), [t.data_ptr() for t in [*module.parameters(False), *module.buffers(False)]])
+             for name, module in loaded.model.named_modules()}
+    assert after == before
 
 
 def test_missing_bitsandbytes_is_one_clear_line(monkeypatch):

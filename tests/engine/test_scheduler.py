@@ -9,8 +9,8 @@ from engine.request import Request, Sequence, SequenceStatus
 from engine.scheduler import Scheduler
 
 
-def _seq(seq_id: int, prompt_len: int) -> Sequence:
-    request = Request(f"r{seq_id}", list(range(3, 3 + prompt_len)), SamplingParams())
+def _seq(seq_id: int, prompt_len: int, params: SamplingParams | None = None) -> Sequence:
+    request = Request(f"r{seq_id}", list(range(3, 3 + prompt_len)), params or SamplingParams())
     return Sequence(seq_id, request, 0, generator=None, output_text=None)
 
 
@@ -43,10 +43,10 @@ def test_prefill_then_decode_within_the_token_budget():
     for s in (a, b, c):
         scheduler.add(s)
     batch = _step(scheduler)
-    # 20 tokens: a and b whole, c gets the last 4 as a first chunk.
-    assert batch.seqs == [a, b, c] and batch.num_new_tokens == [8, 8, 4]
+    # 20 tokens: a and b whole; c would fit only as a chunk of 4, and fits whole beside a and b next step.
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [8, 8]
     batch = _step(scheduler)
-    assert batch.num_new_tokens == [1, 1, 4]  # a and b decode while c finishes its prompt
+    assert batch.seqs == [a, b, c] and batch.num_new_tokens == [1, 1, 8]  # a and b decode while c prefills
     batch = _step(scheduler)
     assert batch.num_new_tokens == [1, 1, 1]
 
@@ -134,3 +134,48 @@ def test_cached_blocks_are_reused_for_new_content_when_the_pool_runs_out():
     scheduler.add(other)  # needs all 3 blocks: the cached ones are evicted, not leaked
     assert scheduler.schedule().num_new_tokens == [11]
     assert allocator.num_free == 0
+
+
+def test_the_batch_says_which_rows_sample_and_which_want_prompt_logits():
+    scheduler = Scheduler(BlockAllocator(100), block_size=4, max_num_seqs=8, max_num_batched_tokens=12)
+    # The scoring prompt (13) could never fit beside the chat's decoding token (12 - 1), so it is split at once.
+    chat, scoring = _seq(0, 10), _seq(1, 13, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    chat.max_tokens = 5  # the engine resolves it at admission; scoring's stays 0
+    scheduler.add(chat)
+    scheduler.add(scoring)
+    first = _step(scheduler)  # the chat's whole prompt and a chunk of the scoring prompt
+    assert first.num_new_tokens == [10, 2]
+    assert first.samples == [True, False] and first.wants_prompt_logits == [False, True]
+    assert not first.is_decode
+    second = scheduler.schedule()  # the chat decodes; the scoring prompt's last chunk samples nothing: max_tokens 0
+    assert second.num_new_tokens == [1, 11]
+    assert second.samples == [True, False] and second.wants_prompt_logits == [False, True]
+
+
+def test_a_prompt_that_fits_a_coming_step_waits_for_it_rather_than_being_split():
+    # A split point that depends on what else arrived changes the prompt's logits (their float order): a prompt
+    # that fits whole beside the running sequences waits one step instead; a longer one is split at once.
+    scheduler = Scheduler(BlockAllocator(100), block_size=4, max_num_seqs=8, max_num_batched_tokens=20)
+    a, b, c = _seq(0, 14), _seq(1, 10), _seq(2, 3)
+    for s in (a, b, c):
+        scheduler.add(s)
+    batch = _step(scheduler)
+    assert batch.seqs == [a] and batch.num_new_tokens == [14]  # b (10) does not fit the 6 left: it and c wait
+    batch = _step(scheduler)
+    assert batch.seqs == [a, b, c] and batch.num_new_tokens == [1, 10, 3]
+
+
+def test_a_prompt_too_long_for_any_step_beside_the_running_ones_is_still_split():
+    scheduler = Scheduler(BlockAllocator(100), block_size=4, max_num_seqs=8, max_num_batched_tokens=20)
+    a, b = _seq(0, 6), _seq(1, 18)
+    for s in (a, b):
+        scheduler.add(s)
+    batch = _step(scheduler)
+    # b (18) could never fit beside a's decoding token (20 - 1 = 19 would, so make it wait one step first).
+    assert batch.seqs == [a] and batch.num_new_tokens == [6]
+    batch = _step(scheduler)
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 18]
+    long = _seq(2, 45)
+    scheduler.add(long)
+    batch = _step(scheduler)  # 45 tokens never fit: split right away into the budget's 18 left
+    assert batch.seqs == [a, b, long] and batch.num_new_tokens == [1, 1, 18]

@@ -12,15 +12,18 @@ import jsonschema
 import pytest
 
 from engine import EngineHandle, SamplingParams
-from ui.chat import add_user_message, build_messages, clear_chat, drop_last_reply, generate_reply, render_chatbot
+from ui.chat import (
+    ChatSession, add_user_message, build_messages, clear_chat, drop_last_reply, generate_reply, render_chatbot,
+    show_token_view,
+)
 from ui.complete import complete_text
 from ui.scoring import score_continuations
 from ui.server import describe_model, live_stats, model_facts, openai_snippet
 
 pytestmark = pytest.mark.slow
 
-GREEDY = dict(system_prompt="", show_probs=False, temperature=0.0, top_p=1.0, top_k=0, max_tokens=24, seed="", stop="",
-              schema_text="")
+GREEDY = dict(system_prompt="", session=ChatSession(), temperature=0.0, top_p=1.0, top_k=0, max_tokens=24, seed="",
+              stop="", schema_text="")
 CITY = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string", "maxLength": 30}},
@@ -134,7 +137,28 @@ def test_retry_regenerates_the_last_turn(handle):
 
 
 def test_clear_empties_the_conversation():
-    assert clear_chat() == ([], [], "")
+    assert clear_chat(ChatSession()) == ([], [], "")
+
+
+def test_clear_mid_stream_ends_the_reply_and_nothing_comes_back(handle):
+    """Clear races Gradio's cancellation of the reply: should tokens arrive first, the reply must not write the
+    cleared conversation back; it ends, and the engine drops the request."""
+    _, history, _, _ = add_user_message("Write a very long story about a dragon.", [], False)
+    session = ChatSession()
+
+    async def clear_after_two_updates():
+        replies = generate_reply(handle, history, *{**GREEDY, "session": session, "max_tokens": 100}.values())
+        await replies.__anext__()
+        await replies.__anext__()
+        cleared = clear_chat(session)
+        return cleared, [out async for out in replies]
+
+    cleared, after_clear = asyncio.run(clear_after_two_updates())
+    assert cleared == ([], [], "") and after_clear == []
+    wait_until_idle(handle.engine)
+    # The next conversation in the same tab is answered as usual.
+    _, history, _, _ = add_user_message("What is the capital of France?", [], False)
+    assert reply_of(chat(handle, history, session=session)[1]) == "The capital of France is Paris."
 
 
 def test_blank_message_is_not_sent():
@@ -150,6 +174,42 @@ def test_token_probabilities_colour_the_reply(handle):
     assert plain[-1]["content"] == reply_of(history)
     assert coloured[-1]["content"].count('class="tern-token"') == len(tokens)
     assert coloured[0] == plain[0]  # the user's turn stays as typed
+
+
+def test_token_view_switches_while_a_reply_streams(handle):
+    """Ticking the checkbox mid-stream colours the reply at once and it keeps streaming coloured; unticking
+    switches it back to plain text, still streaming."""
+    _, history, _, _ = add_user_message("Write a very long story about a dragon.", [], False)
+    session = ChatSession(show_probs=False)
+
+    def shown(chatbot: list[dict], turns: list[dict]) -> tuple[str, int]:
+        """(the reply as shown, its number of tokens), taken now: the generator keeps growing the same turn."""
+        return chatbot[-1]["content"], len(turns[-1]["tokens"])
+
+    async def toggle_twice_mid_stream():
+        replies = generate_reply(handle, history, *{**GREEDY, "session": session, "max_tokens": 40}.values())
+        plain = [shown(*(await replies.__anext__())[:2]) for _ in range(3)]
+        _, turns, _ = await replies.__anext__()
+        chatbot, legend = show_token_view(session, turns, True)  # what the checkbox's handler does
+        toggled = shown(chatbot, turns)
+        coloured = [shown(*(await replies.__anext__())[:2]) for _ in range(3)]
+        _, turns, _ = await replies.__anext__()
+        chatbot, legend_after = show_token_view(session, turns, False)
+        untoggled = shown(chatbot, turns)
+        rest = [shown(*out[:2]) async for out in replies]
+        return plain, (toggled, legend), coloured, untoggled, legend_after, rest
+
+    plain, (toggled, legend), coloured, untoggled, legend_after, rest = asyncio.run(toggle_twice_mid_stream())
+    assert all("tern-token" not in content for content, _ in plain)
+    # At once: the chatbot the checkbox's handler returns is coloured, token for token, and the legend appears.
+    assert toggled[0].count('class="tern-token"') == toggled[1] and legend["visible"] is True
+    # The stream goes on in the new view: more tokens, each coloured.
+    assert all(content.count('class="tern-token"') == num_tokens for content, num_tokens in coloured)
+    assert toggled[1] < coloured[0][1] < coloured[-1][1]
+    # And back: plain text at once, and for the rest of the reply.
+    assert "tern-token" not in untoggled[0] and legend_after["visible"] is False
+    assert rest and all("tern-token" not in content for content, _ in rest)
+    assert rest[-1][1] == 40 and coloured[-1][1] < rest[0][1]
 
 
 def test_stop_aborts_the_request_in_the_engine(handle):

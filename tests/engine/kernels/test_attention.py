@@ -2,6 +2,8 @@
 what it means for an engine's tokens."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import require_op, tiny_quantized_engine
@@ -37,12 +39,18 @@ def test_decode_attention_kernel_reads_the_cache_in_place_as_its_matmul_twin_com
     out = attend(q, k_cache, v_cache, context_slots, context_lens, dim**-0.5)
     expected = _matmul_decode_attention(q, k_cache, v_cache, context_slots, context_lens, dim**-0.5)
     assert out.dtype == dtype and out.shape == (batch, heads * dim)
-    # bf16: rounded where the matmuls round, so only fp32 summation order differs (measured: equal bits).
-    # fp32: a few ulps.
+    # bf16: rounded where the matmuls round, so only fp32 summation order differs: a score rounded the other way
+    # moves an output by up to 2**-9 (measured, 40 seeds, both paths). fp32: summation order, ~5e-7.
     tolerance = 2**-7 if dtype == torch.bfloat16 else 1e-5
     assert torch.allclose(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
     if dtype == torch.bfloat16:
-        assert (out == expected).float().mean() > 0.99
+        # And no less accurate than the twin: against attention computed in fp32 from the same bf16 inputs, the
+        # kernel's largest and mean errors are the twin's within 5% (measured: within 0.2%).
+        exact = _matmul_decode_attention(q.float(), k_cache.float(), v_cache.float(), context_slots, context_lens,
+                                         dim**-0.5)
+        ours, twins = (out.float() - exact).abs(), (expected.float() - exact).abs()
+        assert ours.max() <= 1.05 * twins.max() and ours.mean() <= 1.05 * twins.mean(), \
+            (ours.max().item(), twins.max().item(), ours.mean().item(), twins.mean().item())
     # Padding past a sequence's length is never read: scribbling over it changes nothing.
     garbage = context_slots.clone()
     for b in range(batch):
@@ -74,18 +82,18 @@ def test_decode_attention_with_every_score_far_below_zero_and_a_partial_last_reg
 def test_engine_decodes_the_same_tokens_with_the_attention_kernel_as_with_its_matmul_twin(default_tokenizer, path_kernels,
                                                                                          dtype, tie):
     require_op(path_kernels.decode_attention, "decode attention")
-    engine, _ = tiny_quantized_engine("llama", "none", default_tokenizer, dtype=dtype, path=path_kernels, max_num_seqs=8)
-    kernel = engine.runner.decode_attention
-    try:
-        generator = torch.Generator().manual_seed(3)
-        prompts = [torch.randint(3, 2000, (n,), generator=generator).tolist() for n in (3, 17, 40, 90, 5)]
-        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-        runs = {}
-        for which in (kernel, None):
-            engine.runner.decode_attention = which  # read by the engine thread at its next step
-            runs[which is not None] = [c.choices[0] for c in engine.generate(prompts, params)]
-    finally:
-        engine.stop()
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 2000, (n,), generator=generator).tolist() for n in (3, 17, 40, 90, 5)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    runs = {}
+    for has_kernel in (True, False):  # the twin: the same kernel path but for attention, planned without a kernel
+        kernels = path_kernels if has_kernel else dataclasses.replace(path_kernels, decode_attention=None)
+        engine, _ = tiny_quantized_engine("llama", "none", default_tokenizer, dtype=dtype, path=kernels, max_num_seqs=8)
+        try:
+            assert (engine.runner.path.attention_kernel is not None) == has_kernel
+            runs[has_kernel] = [c.choices[0] for c in engine.generate(prompts, params)]
+        finally:
+            engine.stop()
     for ours, twin in zip(runs[True], runs[False]):
         for position, (mine, theirs) in enumerate(zip(ours.token_ids, twin.token_ids)):
             if mine != theirs:  # bf16 only: a near tie may flip, then the sequences part
