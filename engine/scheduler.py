@@ -95,16 +95,12 @@ class Scheduler:
                 break  # n > 1: the other samples wait one step and then share the prompt's cached blocks
             reused = self._reuse_cached_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
-            if budget < remaining <= self.max_num_batched_tokens - len(self.running):
-                # It fits whole beside the running sequences in a coming step: wait for that rather than split it
-                # here, where the split point depends on what else arrived (and with it the logits' float order).
-                if reused:
-                    self._free_blocks(seq)
-                    seq.num_computed_tokens = 0
-                break
+            # A prompt that fits whole beside the running sequences in a coming step waits for it rather than be
+            # split here, where the split point depends on what else arrived (and with it the logits' float order).
+            fits_a_coming_step = budget < remaining <= self.max_num_batched_tokens - len(self.running)
             num_new = min(remaining, budget)
             needed = blocks_needed(seq.num_computed_tokens + num_new, self.block_size) - len(seq.block_table)
-            if not self.allocator.can_allocate(needed):
+            if fits_a_coming_step or not self.allocator.can_allocate(needed):
                 if reused:  # hand the cached blocks back rather than hold them while waiting
                     self._free_blocks(seq)
                     seq.num_computed_tokens = 0
