@@ -54,11 +54,22 @@ def test_load_wins_over_affinity_once_the_replica_holding_the_prefix_is_busier(r
                                                                       "max_tokens": 1})
                 await asyncio.sleep(1.5)  # the holder's report of its cached blocks has reached the router
 
+                # Every stream stays open until all 8 have been routed, and is long (1,000 tokens): on a loaded
+                # machine Ray routed the burst so slowly that 400-token streams ended before the later ones came,
+                # leaving the holder no busier (7 to 1 by affinity, rightly).
+                routed = 0
+                all_routed = asyncio.Event()
+
                 async def stream() -> str:
-                    body = {"model": "tiny", "messages": messages, "max_tokens": 400, "ignore_eos": True,
+                    nonlocal routed
+                    body = {"model": "tiny", "messages": messages, "max_tokens": 1000, "ignore_eos": True,
                             "stream": True}
                     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
                         replica = response.headers["x-tern-replica"]
+                        routed += 1
+                        if routed == 8:
+                            all_routed.set()
+                        await all_routed.wait()
                         async for _ in response.aiter_lines():
                             pass
                     return replica
