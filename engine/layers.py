@@ -106,6 +106,22 @@ class Int4Linear(nn.Module):
         return F.linear(x, layouts.dequantize_int4(self.weight_packed).to(x.dtype), self.bias)
 
 
+class Int4Embedding(nn.Module):
+    """Row lookup in a 4-bit matrix (layouts.pack_int4's layout): a GGUF's 4-bit token embedding, and the matrix a
+    4-bit lm_head is tied to."""
+
+    def __init__(self, weight_packed: torch.Tensor, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight_packed.shape[0], weight_packed.shape[1] * 8 // 5
+        self.padding_idx = padding_idx
+        self.register_buffer("weight_packed", weight_packed)
+        # Empty, cast with the model as float buffers are: the dtype the rows come out in.
+        self.register_buffer("out_dtype", torch.empty(0), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return layouts.int4_rows(self.weight_packed, input_ids).to(self.out_dtype.dtype)
+
+
 class PackedInt4Linear(Int4Linear):
     """Int4Linear multiplied by Tern's 4-bit kernel (activations quantized per 32 values, as llama.cpp's Q8_1)."""
 

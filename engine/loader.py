@@ -1,4 +1,5 @@
-"""Locate, convert and load a checkpoint: the default GGUF is de-quantized once into a cached safetensors folder.
+"""Locate and load a checkpoint: a GGUF file of a native architecture (the default model's included) is read block
+by block into the layers that serve it (engine/gguf_model.py); Hugging Face folders load through safetensors.
 
 Weights are read into process memory (not left mmap-backed): on small machines the kernel reclaims idle
 file-backed pages and an mmap-backed model was seen slowing from 14 to 2 tokens/s.
@@ -17,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from engine import kernels, quant
+from engine import gguf_model, kernels, quant
 from engine.config import EngineConfig, default_cache_dir
 from engine.errors import ModelLoadError
+from engine.gguf_file import GgufFile
 from engine.models.llama import NATIVE_MODEL_TYPES, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -73,12 +75,16 @@ def default_gguf_path() -> Path:
 
 
 def resolve_checkpoint(model: str | None, cache_dir: Path) -> tuple[Path, str]:
-    """Return (a Hugging Face checkpoint folder, a readable model name) for any accepted --model value."""
-    if model is None:
-        return convert_gguf(default_gguf_path(), cache_dir), DEFAULT_MODEL_NAME
+    """Return (a folder holding the model's config.json and tokenizer, a readable model name) for any accepted
+    --model value. For a GGUF file of a native architecture that folder holds only those small files, written once
+    from the file's metadata: the weights are read from the GGUF itself (engine/gguf_model.py)."""
+    gguf_path = gguf_file_of(model)
+    if gguf_path is not None:
+        name = DEFAULT_MODEL_NAME if model is None else gguf_path.stem.split(".")[0]
+        if GgufFile.open(gguf_path).is_native:
+            return gguf_metadata(gguf_path, cache_dir), name
+        return dequantized_checkpoint(gguf_path, cache_dir), name
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path, cache_dir), path.stem.split(".")[0]
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelLoadError(f"{path} is a folder but holds no config.json: not a Hugging Face checkpoint")
@@ -88,17 +94,60 @@ def resolve_checkpoint(model: str | None, cache_dir: Path) -> tuple[Path, str]:
     return _from_hub(model), model.split("/")[-1]
 
 
-def convert_gguf(gguf_path: Path, cache_dir: Path) -> Path:
-    """De-quantize a GGUF file once into fp32 safetensors + tokenizer + config; later calls just return the folder."""
+def gguf_file_of(model: str | None) -> Path | None:
+    """The GGUF file a --model value names (None: the default model's), or None when it names something else."""
+    if model is None:
+        return default_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def _cache_folder(gguf_path: Path, cache_dir: Path, kind: str) -> Path:
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
-    folder = cache_dir / "models" / f"{gguf_path.stem}-{key}"
+    return cache_dir / kind / f"{gguf_path.stem}-{key}"
+
+
+def gguf_metadata(gguf_path: Path, cache_dir: Path) -> Path:
+    """config.json, generation_config.json and the tokenizer from a GGUF's metadata, written once into a small
+    folder (kilobytes to a few MB: transformers rebuilding a tokenizer from a GGUF vocabulary takes seconds)."""
+    folder = _cache_folder(gguf_path, cache_dir, "gguf-metadata")
+    if (folder / "config.json").exists():
+        return folder
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    logger.info("reading %s's config and tokenizer once into %s", gguf_path.name, folder)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".metadata-"))
+    try:
+        with _gguf_read_once():
+            hf_config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        hf_config.tie_word_embeddings = not GgufFile.open(gguf_path).has_output_head
+        if hasattr(hf_config, "quantization_config"):
+            del hf_config.quantization_config  # Tern serves the blocks itself; transformers must not claim them
+        hf_config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(hf_config).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def dequantized_checkpoint(gguf_path: Path, cache_dir: Path) -> Path:
+    """A GGUF de-quantized once by transformers into an fp32 safetensors folder (~7 bytes per parameter on the
+    way): how architectures without a native model load (transformers' generic path), and the float reference
+    the tests hold the native loading to. Later calls just return the folder."""
+    folder = _cache_folder(gguf_path, cache_dir, "models")
     if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
         return folder
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.info("converting %s once into %s (later starts load the cache)", gguf_path.name, folder)
+    logger.info("de-quantizing %s once into %s (later starts load the cache)", gguf_path.name, folder)
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".convert-"))
     try:
@@ -174,17 +223,23 @@ def load(config: EngineConfig) -> LoadedModel:
     hf_config = AutoConfig.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     is_native = hf_config.model_type in NATIVE_MODEL_TYPES
-    # int8 and int4 quantize the checkpoint's own values, not their rounding to bf16: a checkpoint that is 4-bit
-    # already (a converted Q4_1 GGUF) then keeps its exact weights in int4. The rest is cast to dtype after.
+    # int8 and int4 quantize the checkpoint's own values, not their rounding to bf16. The rest is cast to dtype after.
     quantizes_here = device.type == "cpu" and config.quantization in ("auto", "int8", "int4")
     build_dtype = torch.float32 if quantizes_here else dtype
-    if is_native:
+    gguf_path = gguf_file_of(config.model)
+    from_blocks = is_native and gguf_path is not None  # a GGUF read block by block (engine/gguf_model.py)
+    if from_blocks:
+        model = gguf_model.build_model(GgufFile.open(gguf_path), hf_config, config.quantization, build_dtype, device)
+    elif is_native:
         model = _load_native(folder, hf_config, build_dtype, device)
     else:
         model = _load_generic(folder, build_dtype, device)
     model.eval()
-    mode = quant.resolve_mode(config.quantization, device, model, cpu_kernels)
-    quant.quantize(model, mode, device, dtype, double_quant=config.bnb_double_quant)
+    if from_blocks and quantizes_here:  # its layers were built quantized, as the file's blocks said
+        mode = gguf_model.served_mode(model)
+    else:
+        mode = quant.resolve_mode(config.quantization, device, model, cpu_kernels)
+        quant.quantize(model, mode, device, dtype, double_quant=config.bnb_double_quant)
     model.to(dtype)
     if device.type == "cpu":
         quant.pack_for_cpu(model, cpu_kernels)

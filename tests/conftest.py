@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, kernels
-from engine.loader import LoadedModel, build_native, default_cache_dir, resolve_checkpoint
+from engine.loader import LoadedModel, build_native, default_cache_dir, default_gguf_path, dequantized_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
@@ -24,9 +24,9 @@ SERVER_PIDS: dict[str, int] = {}  # base URL -> process id of the servers the fi
 
 @pytest.fixture(scope="session")
 def default_checkpoint() -> Path:
-    """The default model's converted checkpoint folder (converted on the first run, then cached)."""
-    folder, _ = resolve_checkpoint(None, default_cache_dir())
-    return folder
+    """The default model de-quantized by transformers into an fp32 folder (once, then cached): the float reference
+    the engine's answers are held to, and a Hugging Face folder for the tests that load one."""
+    return dequantized_checkpoint(default_gguf_path(), default_cache_dir())
 
 
 @pytest.fixture(scope="session")

@@ -83,6 +83,17 @@ def dequantize_int4(packed: torch.Tensor) -> torch.Tensor:
     return (grouped * d.float().unsqueeze(-1) + m.float().unsqueeze(-1)).reshape(rows, cols)
 
 
+def int4_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a `pack_int4` matrix de-quantized to float32 [*ids.shape, K] (a 4-bit embedding's lookup):
+    each id's group of 8 rows is contiguous, so those groups are gathered and de-quantized, and the row picked."""
+    rows, packed_cols = packed.shape
+    flat = ids.reshape(-1)
+    groups = packed.view(rows // INT4_GROUP_ROWS, INT4_GROUP_ROWS * packed_cols)[flat // INT4_GROUP_ROWS]
+    values = dequantize_int4(groups.reshape(-1, packed_cols)).reshape(flat.numel(), INT4_GROUP_ROWS, -1)
+    picked = values[torch.arange(flat.numel()), flat % INT4_GROUP_ROWS]
+    return picked.reshape(*ids.shape, -1)
+
+
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> the bf16 kernel's layout, same dtype and shape: each group of 4 rows stored 64-byte chunk by chunk."""
     return _interleave(weight, BF16_GROUP_ROWS, CHUNK_BYTES // weight.element_size())

@@ -1,4 +1,5 @@
-"""Model loading: the cached conversion keeps the GGUF's weights exactly, and bad --model values fail in one line."""
+"""Model loading: the default GGUF is read with its exact values and caches only its config and tokenizer, and bad
+--model values fail in one line."""
 from __future__ import annotations
 
 import subprocess
@@ -8,31 +9,40 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import ModelLoadError
-from engine.loader import DEFAULT_MODEL_FILE, default_gguf_path, read_state_dict, resolve_checkpoint
+from engine import EngineConfig, ModelLoadError
+from engine.loader import default_gguf_path, read_state_dict, resolve_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_cached_checkpoint_holds_exactly_the_weights_transformers_loads_from_the_gguf(default_checkpoint):
-    from transformers import AutoModelForCausalLM
+def test_the_default_gguf_loads_with_exactly_the_weights_transformers_reads_from_it(default_checkpoint, tmp_path):
+    """Read block by block (quantization none keeps every value as float32), the default model's weights are the
+    ones transformers de-quantizes from the same file, q and k rows in transformers' order."""
+    from engine.loader import load
 
-    gguf = default_gguf_path()
-    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32)
-    cached = read_state_dict(default_checkpoint)
-    expected = reference.state_dict()
-    expected.pop("lm_head.weight")  # tied to the embedding, stored once
-    assert cached.keys() == expected.keys()
+    loaded = load(EngineConfig(quantization="none", dtype="float32", cache_dir=str(tmp_path)))
+    expected = read_state_dict(default_checkpoint)  # transformers' own de-quantization, cached by the fixture
+    ours = loaded.model.state_dict()
+    for index in range(loaded.hf_config.num_hidden_layers):
+        prefix = f"model.layers.{index}."
+        fused = {"self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                 "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"]}
+        for name, parts in fused.items():
+            stacked = torch.cat([expected.pop(prefix + part + ".weight") for part in parts])
+            assert torch.equal(ours.pop(prefix + name + ".weight"), stacked), prefix + name
     for name, tensor in expected.items():
-        assert cached[name].dtype == torch.float32
-        assert torch.equal(cached[name], tensor), name
+        assert torch.equal(ours[name], tensor), name
+    assert torch.equal(ours["lm_head.weight"], expected["model.embed_tokens.weight"])  # tied
 
 
 @pytest.mark.slow
-def test_second_start_reuses_the_cache(default_checkpoint, tmp_path):
-    folder, name = resolve_checkpoint(None, default_checkpoint.parent.parent)
-    assert folder == default_checkpoint and name == "SmolLM2-135M-Instruct"
+def test_a_second_start_reuses_the_small_metadata_cache(tmp_path):
+    folder, name = resolve_checkpoint(None, tmp_path)
+    assert name == "SmolLM2-135M-Instruct" and (folder / "config.json").exists()
+    assert resolve_checkpoint(None, tmp_path)[0] == folder
+    cached = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+    assert cached < default_gguf_path().stat().st_size / 4  # config and tokenizer only, no weights
 
 
 def test_bad_model_values_are_one_clear_error(tmp_path, monkeypatch):

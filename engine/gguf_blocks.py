@@ -1,0 +1,124 @@
+"""What each GGUF tensor type becomes in Tern, and the repacking of quantized blocks into Tern's layouts.
+
+`GGUF_TYPES` is the one table: per ggml type, the layout that serves it and how exact that is. Adding a type is one
+entry here plus its repacking (or kernel). The block layouts are llama.cpp's (ggml-common.h), as the `gguf`
+package's reference de-quantizers read them; the tests hold every repacking to those references.
+
+- `int4` (Tern's 4-bit layout, layouts.pack_int4: per 32 values of a row, w = d * q + m with fp16 d and m):
+  Q4_0 (m = -8 d, exact), Q4_1 (exact), Q4_K (per sub-block of 32, d = super_d * scale and m = -super_dmin * min,
+  both products rounded to fp16: the file computes them in fp32).
+- `dequantize`: read as float32 one tensor at a time with `gguf`'s own reference, then handled as a checkpoint's
+  float weight is (norms, biases; a linear layer gets the mode's quantization, per-row int8 under `auto`).
+  F32, F16, BF16 are exact this way; Q8_0, Q5_0, Q5_1, Q5_K and Q6_K lose their per-block scales when re-quantized
+  per row (an int8 kernel with per-block scales is what would keep them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from engine.kernels import layouts
+
+GROUP = layouts.INT4_GROUP_COLS  # 32 values per scale and minimum in Tern's int4 layout
+Int4Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q uint8 [N, K] in 0..15, d fp16 [N, K/32], m fp16
+
+
+@dataclass(frozen=True)
+class GgufType:
+    layout: str  # "int4" or "dequantize"
+    values: str  # how Tern's values relate to the file's, for the README and the load log
+    to_int4: Callable[[torch.Tensor], Int4Parts] | None = None  # uint8 [rows, bytes per row] -> int4 parts
+
+
+def _split(blocks: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """uint8 [rows, bytes per row] -> [rows, blocks per row, block_bytes]."""
+    rows = blocks.shape[0]
+    return blocks.reshape(rows, -1, block_bytes)
+
+
+def _fp16(raw: torch.Tensor) -> torch.Tensor:
+    """Little-endian fp16 from its 2 bytes, the last dimension: [..., 2] uint8 -> [...] fp16."""
+    return raw.contiguous().view(torch.float16).squeeze(-1)
+
+
+def _low_high(qs: torch.Tensor) -> torch.Tensor:
+    """[..., n] bytes -> [..., 2n]: the n low nibbles, then the n high ones (ggml's order within a block of 32)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def q4_0_to_int4(blocks: torch.Tensor) -> Int4Parts:
+    """Q4_0: 18 bytes per 32 values, fp16 d then 16 bytes of nibbles; w = d * (q - 8) = d * q + (-8 d), exactly
+    (8 d is exact in fp16 and both products are exact in fp32)."""
+    b = _split(blocks, 18)
+    d = _fp16(b[..., 0:2])
+    q = _low_high(b[..., 2:18])
+    return q.reshape(blocks.shape[0], -1), d, (-8 * d.float()).to(torch.float16)
+
+
+def q4_1_to_int4(blocks: torch.Tensor) -> Int4Parts:
+    """Q4_1: 20 bytes per 32 values, fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m: Tern's int4 as it is."""
+    b = _split(blocks, 20)
+    q = _low_high(b[..., 4:20])
+    return q.reshape(blocks.shape[0], -1), _fp16(b[..., 0:2]), _fp16(b[..., 2:4])
+
+
+def q4_k_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 six-bit scales and 8 six-bit minimums packed in a K-quant super-block's 12 bytes: [..., 12] ->
+    ([..., 8], [..., 8]) as int32. Bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7,
+    bytes 4-7 the same for the minimums, bytes 8-11 the low 4 bits of scales 4-7 and (high nibble) minimums 4-7."""
+    s = scales.to(torch.int32)
+    first, second, last = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([first & 0x3F, (last & 0x0F) | ((first >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([second & 0x3F, (last >> 4) | ((second >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def q4_k_to_int4(blocks: torch.Tensor) -> Int4Parts:
+    """Q4_K: 144 bytes per 256 values: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and minimums, 128 bytes of
+    nibbles (each 32 bytes hold sub-block 2c in the low nibbles and 2c+1 in the high ones); per sub-block of 32,
+    w = (d * scale) * q - (dmin * min). Tern's int4 stores d * scale and -(dmin * min) in fp16."""
+    b = _split(blocks, 144)
+    d, dmin = _fp16(b[..., 0:2]).float(), _fp16(b[..., 2:4]).float()
+    sc, mn = q4_k_scales_mins(b[..., 4:16])
+    qs = b[..., 16:144].reshape(*b.shape[:2], 4, 32)
+    q = torch.stack([qs & 0x0F, qs >> 4], dim=3)  # [rows, super-blocks, chunk, low/high, 32]: sub-block 2c + h
+    scale = (d.unsqueeze(-1) * sc.float()).to(torch.float16)
+    minimum = (-(dmin.unsqueeze(-1) * mn.float())).to(torch.float16)
+    rows = blocks.shape[0]
+    return q.reshape(rows, -1), scale.reshape(rows, -1), minimum.reshape(rows, -1)
+
+
+GGUF_TYPES: dict[T, GgufType] = {
+    T.F32: GgufType("dequantize", "exact"),
+    T.F16: GgufType("dequantize", "exact"),
+    T.BF16: GgufType("dequantize", "exact"),
+    T.Q4_0: GgufType("int4", "exact", q4_0_to_int4),
+    T.Q4_1: GgufType("int4", "exact", q4_1_to_int4),
+    T.Q4_K: GgufType("int4", "scales and minimums rounded to fp16", q4_k_to_int4),
+    T.Q5_0: GgufType("dequantize", "de-quantized; per-row int8 under auto"),
+    T.Q5_1: GgufType("dequantize", "de-quantized; per-row int8 under auto"),
+    T.Q8_0: GgufType("dequantize", "de-quantized; per-row int8 under auto"),
+    T.Q5_K: GgufType("dequantize", "de-quantized; per-row int8 under auto"),
+    T.Q6_K: GgufType("dequantize", "de-quantized; per-row int8 under auto"),
+}
+
+
+def supported_names() -> str:
+    return ", ".join(t.name for t in GGUF_TYPES)
+
+
+def dequantize(raw: np.ndarray, ggml_type: T, shape: tuple[int, ...]) -> torch.Tensor:
+    """float32 [shape] from a tensor's raw bytes, with `gguf`'s reference de-quantizer (exact for float types)."""
+    from gguf import quants
+
+    if ggml_type == T.F32:
+        values = raw.view(np.float32)
+    elif ggml_type == T.F16:
+        values = raw.view(np.float16).astype(np.float32)
+    else:
+        values = quants.dequantize(raw.reshape(shape[0], -1) if len(shape) > 1 else raw, ggml_type)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)

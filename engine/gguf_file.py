@@ -1,0 +1,147 @@
+"""A GGUF file opened for serving: checked whole before any weight is read, then read one tensor at a time.
+
+`GgufFile.open` parses the header with the `gguf` package's reader (which maps the file but touches only the
+header), and refuses, naming the file, the tensor and the type, a file that is cut short, holds a tensor type Tern
+cannot serve (engine/gguf_blocks.GGUF_TYPES). Tensors are then read with
+pread into memory Tern owns (an mmap-backed model was seen slowing from 14 to 2 tokens/s on a small machine), so
+at most one tensor's bytes are in flight beside the weights already converted.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.errors import ModelLoadError
+from engine.gguf_blocks import GGUF_TYPES, GgufType, dequantize, supported_names
+
+# GGUF architectures Tern runs natively, and the transformers model_type each becomes.
+NATIVE_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+# llama.cpp's converter reorders the rows of q and k for these (its RoPE pairs neighbours, HF's pairs halves).
+PERMUTED_QK_ARCHITECTURES = ("llama",)
+# Tensors a GGUF may hold that these models do not use (long-context RoPE factors are in the config, too).
+IGNORED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+# GGUF tensor name (per block) -> the transformers name the native model's state dict uses.
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for a name the models do not know."""
+    stem, _, kind = gguf_name.rpartition(".")
+    if stem.startswith("blk."):
+        _, index, part = stem.split(".", 2)
+        mapped = _BLOCK_NAMES.get(part)
+        return None if mapped is None else f"model.layers.{index}.{mapped}.{kind}"
+    mapped = _TOP_NAMES.get(stem)
+    return None if mapped is None else f"{mapped}.{kind}"
+
+
+class GgufFile:
+    """The tensors of one GGUF file by their transformers names, each read on demand."""
+
+    def __init__(self, path: Path, architecture: str, tensors: dict) -> None:
+        self.path = path
+        self.architecture = architecture
+        self._tensors = tensors  # transformers name -> gguf ReaderTensor
+
+    @classmethod
+    def open(cls, path: Path) -> "GgufFile":
+        import gguf
+
+        try:
+            reader = gguf.GGUFReader(path)
+        except Exception as exc:  # the reader raises ValueError, IndexError, ... on a cut or foreign file
+            raise ModelLoadError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+        architecture = _string_field(reader, "general.architecture")
+        size = path.stat().st_size
+        tensors = {}
+        for tensor in reader.tensors:
+            end = tensor.data_offset + tensor.n_bytes
+            if end > size:
+                raise ModelLoadError(f"{path}: truncated: tensor {tensor.name} ends at byte {end:,}, "
+                                     f"the file has {size:,}")
+            if tensor.tensor_type not in GGUF_TYPES:
+                raise ModelLoadError(f"{path}: tensor {tensor.name} is {tensor.tensor_type.name}, a type Tern "
+                                     f"cannot serve (it serves {supported_names()})")
+            if tensor.name in IGNORED_TENSORS:
+                continue
+            tensors[hf_name(tensor.name) or tensor.name] = tensor
+        return cls(path, architecture, tensors)
+
+    @property
+    def is_native(self) -> bool:
+        """Whether Tern has a native model for this file's architecture (else transformers' generic one serves)."""
+        return self.architecture in NATIVE_ARCHITECTURES
+
+    @property
+    def has_output_head(self) -> bool:
+        """False when the lm_head is tied to the token embedding (the file stores that matrix once)."""
+        return "lm_head.weight" in self._tensors
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def kind(self, name: str) -> GgufType:
+        return GGUF_TYPES[self._tensors[name].tensor_type]
+
+    def type_name(self, name: str) -> str:
+        return self._tensors[name].tensor_type.name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """In torch's order: [rows, columns] for a matrix (GGUF lists dimensions innermost first)."""
+        return tuple(int(n) for n in reversed(self._tensors[name].shape))
+
+    def raw(self, name: str, num_heads: int | None = None) -> torch.Tensor:
+        """The tensor's bytes, [rows, bytes per row] for a matrix, in memory of its own; q and k rows put back in
+        transformers' order where the converter reordered them (`num_heads`: the heads of this matrix)."""
+        tensor = self._tensors[name]
+        data = np.empty(tensor.n_bytes, dtype=np.uint8)
+        with open(self.path, "rb") as file:
+            read = os.preadv(file.fileno(), [memoryview(data)], tensor.data_offset)
+        if read != tensor.n_bytes:
+            raise ModelLoadError(f"{self.path}: truncated: tensor {tensor.name} could not be read whole")
+        shape = self.shape(name)
+        raw = torch.from_numpy(data).reshape(shape[0], -1) if len(shape) > 1 else torch.from_numpy(data)
+        if num_heads is not None and self.architecture in PERMUTED_QK_ARCHITECTURES:
+            raw = raw[_unpermute_rows(shape[0], num_heads)]
+        return raw
+
+    def float(self, name: str, num_heads: int | None = None) -> torch.Tensor:
+        """The tensor de-quantized to float32 with `gguf`'s reference, rows in transformers' order."""
+        tensor = self._tensors[name]
+        raw = self.raw(name, num_heads)
+        return dequantize(raw.numpy(), tensor.tensor_type, self.shape(name))
+
+
+@functools.lru_cache(maxsize=16)
+def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
+    """Row order undoing llama.cpp's q/k permute: per head, its first half of rows interleaved with its second."""
+    half = rows // heads // 2
+    return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(-1)
+
+
+def _string_field(reader, key: str) -> str | None:
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")

@@ -1,0 +1,177 @@
+"""Build the native model from a GGUF file tensor by tensor, each weight going straight to the layer that serves it.
+
+Under `auto`, `int4` and `int8` on a CPU the file's blocks decide (engine/gguf_blocks.GGUF_TYPES): a 4-bit tensor
+becomes Tern's int4 layout without passing through float, the rest is de-quantized one tensor at a time and
+quantized per row to int8 (`int8` de-quantizes everything; `int4` also quantizes float tensors to 4-bit, as it
+does for any checkpoint). Fused projections (qkv, gate/up) keep 4-bit only when every part is 4-bit. Any other
+mode gets float weights here, one tensor at a time, and quant.quantize runs after as for any checkpoint. Either way
+no whole-model float copy exists: peak memory is the served weights plus one tensor in float32.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+from torch import nn
+
+from engine import quant
+from engine.errors import ModelLoadError
+from engine.gguf_file import GgufFile
+from engine.kernels import layouts
+from engine.layers import Int4Embedding, Int4Linear, Int8Embedding, Int8Linear
+from engine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+QUANTIZED_HERE = ("auto", "int4", "int8")  # modes whose layers this module builds itself on a CPU
+
+
+def build_model(gguf: GgufFile, hf_config, mode: str, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """The model with every weight read from `gguf`. In QUANTIZED_HERE modes on CPU its linear layers are already
+    Int4Linear/Int8Linear (quant.pack_for_cpu packs them next); otherwise they are nn.Linear in `dtype`."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_config)
+    unknown = [name for name in gguf.names() if name not in model.state_dict()]
+    if unknown:  # before any weight is read
+        raise ModelLoadError(f"{gguf.path}: tensors a {hf_config.model_type} model has no place for: {unknown[:5]}")
+    model.fuse_projections()
+    quantized = mode in QUANTIZED_HERE and device.type == "cpu"
+    builder = _LayerBuilder(gguf, hf_config, mode if quantized else "none", dtype)
+    for index, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{index}."
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = builder.linear([prefix + f"self_attn.{p}_proj" for p in "qkv"])
+        attn.o_proj = builder.linear([prefix + "self_attn.o_proj"])
+        mlp.gate_up_proj = builder.linear([prefix + "mlp.gate_proj", prefix + "mlp.up_proj"])
+        mlp.down_proj = builder.linear([prefix + "mlp.down_proj"])
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            getattr(layer, norm).weight = builder.parameter(prefix + norm + ".weight")
+        if attn.has_qk_norm:
+            attn.q_norm.weight = builder.parameter(prefix + "self_attn.q_norm.weight")
+            attn.k_norm.weight = builder.parameter(prefix + "self_attn.k_norm.weight")
+    model.model.norm.weight = builder.parameter("model.norm.weight")
+    builder.embedding_and_head(model)
+    logger.info("%s: %s", gguf.path.name, builder.summary())
+    return model.to(device)
+
+
+def served_mode(model: nn.Module) -> str:
+    """The quant.MODES entry a model built here runs as: int4 when any layer is 4-bit (the rest is int8), else int8."""
+    return "int4" if any(isinstance(m, Int4Linear) for m in model.modules()) else "int8"
+
+
+class _LayerBuilder:
+    def __init__(self, gguf: GgufFile, hf_config, mode: str, dtype: torch.dtype) -> None:
+        self.gguf, self.mode, self.dtype = gguf, mode, dtype
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = hf_config.num_key_value_heads
+        self.used: set[str] = set()
+        self.served: Counter = Counter()  # (GGUF type, what serves it) -> tensors
+
+    def summary(self) -> str:
+        return ", ".join(f"{n} {t} as {how}" for (t, how), n in sorted(self.served.items()))
+
+    def _take(self, name: str) -> str:
+        if name not in self.gguf:
+            raise ModelLoadError(f"{self.gguf.path}: the file has no tensor for {name}")
+        self.used.add(name)
+        return self.gguf.type_name(name)
+
+    def _heads(self, name: str) -> int | None:
+        """How many heads a matrix's rows hold, for the matrices whose rows llama.cpp's converter reorders."""
+        if name.endswith("q_proj.weight"):
+            return self.num_heads
+        if name.endswith("k_proj.weight"):
+            return self.num_kv_heads
+        return None
+
+    def _is_4bit(self, name: str) -> bool:
+        rows, cols = self.gguf.shape(name)
+        return (self.gguf.kind(name).layout == "int4" and rows % layouts.INT4_GROUP_ROWS == 0
+                and cols % layouts.INT4_GROUP_COLS == 0)
+
+    def _int4(self, name: str) -> torch.Tensor:
+        """Tern's int4 layout straight from the file's 4-bit blocks."""
+        raw = self.gguf.raw(name, self._heads(name))
+        self.served[(self.gguf.type_name(name), "int4")] += 1
+        return layouts.pack_int4(*self.gguf.kind(name).to_int4(raw))
+
+    def _float(self, name: str) -> torch.Tensor:
+        return self.gguf.float(name, self._heads(name))
+
+    def parameter(self, name: str) -> nn.Parameter:
+        self._take(name)
+        return nn.Parameter(self._float(name).to(self.dtype), requires_grad=False)
+
+    def _bias(self, names: list[str]) -> torch.Tensor | None:
+        biases = [name.removesuffix(".weight") + ".bias" for name in names]
+        present = [b for b in biases if b in self.gguf]
+        if not present:
+            return None
+        if len(present) != len(biases):
+            raise ModelLoadError(f"{self.gguf.path}: some of {biases} have a bias and some do not")
+        for b in present:
+            self._take(b)
+        return torch.cat([self._float(b) for b in present]).to(self.dtype)
+
+    def linear(self, parts: list[str]) -> nn.Module:
+        """One layer for the rows of `parts` stacked (a fused projection), in the mode's layout."""
+        names = [p + ".weight" for p in parts]
+        types = [self._take(n) for n in names]
+        bias = self._bias(names)
+        if self.mode in ("auto", "int4") and all(self._is_4bit(n) for n in names):
+            return Int4Linear(torch.cat([self._int4(n) for n in names]), bias)
+        if self.mode == "int4" and all(self.gguf.shape(n)[1] % layouts.INT4_GROUP_COLS == 0 for n in names):
+            packed = []
+            for name, type_name in zip(names, types):
+                weight = self._float(name)
+                if weight.shape[0] % layouts.INT4_GROUP_ROWS:
+                    break
+                packed.append(layouts.pack_int4(*quant.quantize_int4(weight)))
+                self.served[(type_name, "int4 (re-quantized)")] += 1
+            else:
+                return Int4Linear(torch.cat(packed), bias)
+        if self.mode in ("auto", "int4", "int8"):
+            rows, scales = [], []
+            for name, type_name in zip(names, types):
+                weight_int8, row_scales = quant.quantize_int8(self._float(name), self.dtype)
+                rows.append(weight_int8)
+                scales.append(row_scales)
+                self.served[(type_name, "int8")] += 1
+            return Int8Linear(torch.cat(rows), torch.cat(scales), bias)
+        weight = torch.cat([self._float(n) for n in names]).to(self.dtype)
+        for type_name in types:
+            self.served[(type_name, str(self.dtype).removeprefix("torch."))] += 1
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias, requires_grad=False)
+        return linear
+
+    def embedding_and_head(self, model: LlamaForCausalLM) -> None:
+        """The token embedding, and the lm_head: tied to it (one matrix) when the file has no `output` tensor."""
+        embedding_name, head_name = "model.embed_tokens.weight", "lm_head.weight"
+        tied = head_name not in self.gguf
+        self._take(embedding_name)
+        if self.mode == "none":
+            weight = nn.Parameter(self._float(embedding_name).to(self.dtype), requires_grad=False)
+            model.model.embed_tokens.weight = weight
+            model.lm_head = self.linear(["lm_head"]) if not tied else model.lm_head
+            if tied:
+                model.lm_head.weight = weight
+            self.served[(self.gguf.type_name(embedding_name), "embedding")] += 1
+            return
+        if self._is_4bit(embedding_name) and self.mode in ("auto", "int4"):
+            packed = self._int4(embedding_name)
+            model.model.embed_tokens = Int4Embedding(packed)
+            if tied:
+                model.lm_head = Int4Linear(packed, None)
+        else:
+            weight_int8, scales = quant.quantize_int8(self._float(embedding_name), self.dtype)
+            self.served[(self.gguf.type_name(embedding_name), "int8")] += 1
+            model.model.embed_tokens = Int8Embedding(weight_int8, scales)
+            if tied:
+                model.lm_head = Int8Linear(weight_int8, scales, None)
+        if not tied:
+            model.lm_head = self.linear(["lm_head"])

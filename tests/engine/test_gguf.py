@@ -1,0 +1,261 @@
+"""GGUF files served from their own blocks: each 4-bit type repacks to the file's values, a file of every supported
+mix loads tensor by tensor into the layers that serve it and answers as transformers does on the same file, and a
+cut, foreign or unsupported file is one clear error before any weight is read.
+
+The files are written here with `gguf`'s writer: tiny Llama shapes (K-quants need rows of 256), the default model's
+tokenizer, random weights (K-quant blocks as random bytes with small scales: gguf-py has no K-quant quantizer).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, quants
+
+from engine import Engine, EngineConfig, ModelLoadError, SamplingParams
+from engine.gguf_blocks import GGUF_TYPES
+from engine.kernels import layouts
+from engine.layers import Int4Embedding, Int4Linear, PackedInt4Linear
+from engine.loader import default_gguf_path
+
+BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q4_K: (256, 144), T.Q6_K: (256, 210), T.Q8_0: (32, 34)}
+SCALE_BYTES = {T.Q4_0: (0, 2), T.Q4_1: (0, 4), T.Q4_K: (0, 4), T.Q6_K: (208, 210), T.Q8_0: (0, 2)}
+
+
+def random_blocks(ggml_type: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, bytes per row]: random quants, and fp16 scales (and minimums) small enough to make weights of
+    a few hundredths, as a real layer's are."""
+    rng = np.random.default_rng(seed)
+    values, size = BLOCK[ggml_type]
+    raw = rng.integers(0, 256, size=(rows, cols // values, size), dtype=np.uint8)
+    start, end = SCALE_BYTES[ggml_type]
+    scales = (rng.uniform(0.5, 1.5, size=(rows, cols // values, (end - start) // 2)) * 2e-3).astype(np.float16)
+    raw[..., start:end] = scales.view(np.uint8).reshape(rows, cols // values, end - start)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1])
+def test_q4_0_and_q4_1_repack_into_int4_bit_for_bit(ggml_type):
+    raw = random_blocks(ggml_type, 24, 512)
+    packed = layouts.pack_int4(*GGUF_TYPES[ggml_type].to_int4(torch.from_numpy(raw)))
+    assert torch.equal(layouts.dequantize_int4(packed), torch.from_numpy(quants.dequantize(raw, ggml_type)))
+
+
+def test_q4_k_repacks_into_int4_within_the_rounding_of_its_scales_to_fp16():
+    """Q4_K's per-sub-block scale (super-block d x 6-bit scale) and minimum are fp32 products in the file; Tern's
+    int4 stores them in fp16. Its values are the file's quants times those products rounded to fp16, exactly."""
+    raw = random_blocks(T.Q4_K, 24, 512)
+    ours = layouts.dequantize_int4(layouts.pack_int4(*GGUF_TYPES[T.Q4_K].to_int4(torch.from_numpy(raw))))
+    reference = torch.from_numpy(quants.dequantize(raw, T.Q4_K))
+    # Per block of 32 the file's w = s * q - m; with s and m rounded to fp16 the error is at most q * |ds| + |dm|.
+    blocks = raw.reshape(24, 2, 144)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16).astype(np.float32)).squeeze(-1)
+    dmin = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16).astype(np.float32)).squeeze(-1)
+    bound = (15 * 63 * d + 63 * dmin).repeat_interleave(256, dim=1) * 2.0**-11
+    assert (ours - reference).abs().le(bound).all()
+    assert not torch.equal(ours, reference)  # the rounding is real: say so rather than claim bits
+
+
+def tokenizer_fields(writer: GGUFWriter) -> None:
+    """The default model's tokenizer, copied from its GGUF: transformers rebuilds the tokenizer from these."""
+    reader = GGUFReader(default_gguf_path())
+
+    def strings(key):
+        field = reader.fields[key]
+        return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+
+    def scalar(key):
+        field = reader.fields[key]
+        return field.parts[field.data[0]][0].item()
+
+    writer.add_tokenizer_model(bytes(reader.fields["tokenizer.ggml.model"].parts[-1]).decode())
+    writer.add_tokenizer_pre(bytes(reader.fields["tokenizer.ggml.pre"].parts[-1]).decode())
+    writer.add_token_list(strings("tokenizer.ggml.tokens"))
+    token_types = reader.fields["tokenizer.ggml.token_type"]
+    writer.add_token_types([int(token_types.parts[i][0]) for i in token_types.data])
+    writer.add_token_merges(strings("tokenizer.ggml.merges"))
+    writer.add_bos_token_id(scalar("tokenizer.ggml.bos_token_id"))
+    writer.add_eos_token_id(scalar("tokenizer.ggml.eos_token_id"))
+    writer.add_chat_template(bytes(reader.fields["tokenizer.chat_template"].parts[-1]).decode())
+    return len(strings("tokenizer.ggml.tokens"))
+
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2
+
+
+def write_tiny_gguf(path: Path, types: dict[str, T], tied: bool = True, seed: int = 0) -> Path:
+    """A tiny Llama GGUF; `types` maps tensor roles (embd, q, k, v, o, gate, up, down, output) to ggml types."""
+    writer = GGUFWriter(path, "llama")
+    vocab = tokenizer_fields(writer)
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(512)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    rng = np.random.default_rng(seed)
+    head_dim = HIDDEN // HEADS
+
+    def matrix(name: str, role: str, rows: int, cols: int) -> None:
+        ggml_type = types.get(role, T.F32)
+        if ggml_type == T.F32:
+            writer.add_tensor(name, (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32))
+        elif ggml_type in (T.Q4_K, T.Q6_K):
+            writer.add_tensor(name, random_blocks(ggml_type, rows, cols, seed=rng.integers(1 << 30)),
+                              raw_dtype=ggml_type)
+        else:
+            weights = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+            writer.add_tensor(name, quants.quantize(weights, ggml_type), raw_dtype=ggml_type)
+
+    def norm(name: str) -> None:
+        writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+
+    matrix("token_embd.weight", "embd", vocab, HIDDEN)
+    for i in range(LAYERS):
+        norm(f"blk.{i}.attn_norm.weight")
+        matrix(f"blk.{i}.attn_q.weight", "q", HEADS * head_dim, HIDDEN)
+        matrix(f"blk.{i}.attn_k.weight", "k", KV_HEADS * head_dim, HIDDEN)
+        matrix(f"blk.{i}.attn_v.weight", "v", KV_HEADS * head_dim, HIDDEN)
+        matrix(f"blk.{i}.attn_output.weight", "o", HIDDEN, HIDDEN)
+        norm(f"blk.{i}.ffn_norm.weight")
+        matrix(f"blk.{i}.ffn_gate.weight", "gate", FFN, HIDDEN)
+        matrix(f"blk.{i}.ffn_up.weight", "up", FFN, HIDDEN)
+        matrix(f"blk.{i}.ffn_down.weight", "down", HIDDEN, FFN)
+    norm("output_norm.weight")
+    if not tied:
+        matrix("output.weight", "output", vocab, HIDDEN)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def every(ggml_type: T, **others: T) -> dict[str, T]:
+    roles = ("embd", "q", "k", "v", "o", "gate", "up", "down", "output")
+    return {**{role: ggml_type for role in roles}, **others}
+
+
+# Like llama.cpp's Q4_K_M: 4-bit K-quants, with v, down and the output head in Q6_K.
+Q4_K_M = every(T.Q4_K, v=T.Q6_K, down=T.Q6_K, output=T.Q6_K)
+FILES = {
+    "Q4_0": (every(T.Q4_0), True),
+    "Q4_1+Q8_0 embedding": (every(T.Q4_1, embd=T.Q8_0), True),
+    "Q4_K_M-like, untied": (Q4_K_M, False),
+    "F32": (every(T.F32), False),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FILES))
+def tiny_gguf(request, tmp_path_factory) -> Path:
+    types, tied = FILES[request.param]
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", types, tied)
+
+
+def transformers_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path):
+    """4-bit tensors are served 4-bit with the values transformers de-quantizes from the file (exact for
+    Q4_0/Q4_1, within fp16 rounding of the scales for Q4_K), q and k rows in transformers' order."""
+    engine = Engine(EngineConfig(model=str(tiny_gguf), quantization="auto", dtype="float32",
+                                 cache_dir=str(tmp_path))).start()
+    try:
+        model, reference = engine.loaded.model, transformers_model(tiny_gguf).state_dict()
+        reader = GGUFReader(tiny_gguf)
+        types = {t.name: t.tensor_type for t in reader.tensors}
+        for index, layer in enumerate(model.model.layers):
+            prefix = f"model.layers.{index}."
+            for fused, parts, gguf_names in (
+                (layer.self_attn.qkv_proj, ["q_proj", "k_proj", "v_proj"], ["attn_q", "attn_k", "attn_v"]),
+                (layer.mlp.gate_up_proj, ["gate_proj", "up_proj"], ["ffn_gate", "ffn_up"]),
+            ):
+                kinds = {types[f"blk.{index}.{g}.weight"] for g in gguf_names}
+                is_4bit = kinds <= {T.Q4_0, T.Q4_1, T.Q4_K}
+                assert isinstance(fused, (Int4Linear, PackedInt4Linear)) == is_4bit, (kinds, type(fused))
+                if is_4bit:
+                    section = "self_attn." if "q_proj" in parts else "mlp."
+                    expected = torch.cat([reference[prefix + section + p + ".weight"] for p in parts])
+                    ours = layouts.dequantize_int4(fused.weight_packed)
+                    if T.Q4_K in kinds:
+                        # w = s * q - m with s and m rounded to fp16 (relative 2^-11 each): s * q and m are at
+                        # most the largest |w| or so, whence the bound; near-cancelling w have no relative bound.
+                        assert (ours - expected).abs().max() <= 2.0**-9 * expected.abs().max()
+                        assert not torch.equal(ours, expected)
+                    else:
+                        assert torch.equal(ours, expected)
+        embd_type = types["token_embd.weight"]
+        assert isinstance(model.model.embed_tokens, Int4Embedding) == (embd_type in (T.Q4_0, T.Q4_1, T.Q4_K))
+        ids = torch.tensor([0, 7, 1234, 49151])
+        rows = model.model.embed_tokens(ids).float()
+        if embd_type in (T.Q4_0, T.Q4_1):  # the rest is int8 per row under auto
+            assert torch.equal(rows, reference["model.embed_tokens.weight"][ids])
+    finally:
+        engine.stop()
+
+
+def test_a_gguf_answers_as_transformers_does_on_the_same_file(tiny_gguf, tmp_path):
+    """Greedy tokens with the file's values in float32 (quantization none) match transformers' on the same file:
+    the config, the tokenizer, the names and the q/k row order all come from the file."""
+    engine = Engine(EngineConfig(model=str(tiny_gguf), quantization="none", dtype="float32",
+                                 cache_dir=str(tmp_path))).start()
+    try:
+        hf = transformers_model(tiny_gguf)
+        prompt = engine.loaded.tokenizer.encode("The capital of France is")
+        [completion] = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert completion.choices[0].token_ids == expected
+    finally:
+        engine.stop()
+
+
+def test_a_4bit_gguf_takes_about_the_files_size_in_memory(tmp_path):
+    path = write_tiny_gguf(tmp_path / "q4_0.gguf", every(T.Q4_0))
+    engine = Engine(EngineConfig(model=str(path), quantization="auto", cache_dir=str(tmp_path / "cache"))).start()
+    try:
+        assert engine.loaded.quantization == "int4"
+        # Q4_0 is 18 bytes per 32 values, Tern's int4 20 (fp16 d and m): 1.11x, plus the float norms.
+        assert engine.loaded.weight_bytes <= 1.15 * path.stat().st_size
+        [completion] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        assert len(completion.choices[0].token_ids) == 4
+    finally:
+        engine.stop()
+    # Only the config and tokenizer were written to the cache, never a de-quantized copy.
+    cached = [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and "kernels" not in p.parts]
+    assert cached and sum(p.stat().st_size for p in cached) < 0.5 * path.stat().st_size
+
+
+def test_a_cut_gguf_is_one_clear_error_naming_the_file_and_leaves_no_cache(tmp_path):
+    path = write_tiny_gguf(tmp_path / "whole.gguf", every(T.Q4_0))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size * 2 // 3])
+    cache = tmp_path / "cache"
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf.*(truncated|not a readable GGUF)"):
+        Engine(EngineConfig(model=str(cut), cache_dir=str(cache)))
+    assert not [p for p in cache.rglob("*") if "kernels" not in p.parts and p.name != "kernels"]
+
+
+def test_an_unsupported_tensor_type_names_the_tensor_and_the_type(tmp_path):
+    """IQ2_XS has no layout in Tern: refused before any weight is read, naming the file, tensor and type."""
+    path = tmp_path / "iq.gguf"
+    writer = GGUFWriter(path, "llama")
+    tokenizer_fields(writer)
+    writer.add_block_count(1)
+    _, block_bytes = GGML_QUANT_SIZES[T.IQ2_XS]
+    writer.add_tensor("token_embd.weight", np.zeros((4, block_bytes), dtype=np.uint8), raw_dtype=T.IQ2_XS)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"iq\.gguf: tensor token_embd\.weight is IQ2_XS"):
+        Engine(EngineConfig(model=str(path), cache_dir=str(tmp_path / "cache")))
