@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError
-from engine.gguf_blocks import GGUF_TYPES, GgufType, dequantize, supported_names
+from engine.gguf_blocks import GGUF_TYPES, Int4Parts, dequantize, supported_names
 
 # GGUF architectures Tern runs natively, and the transformers model_type each becomes.
 NATIVE_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -54,7 +54,8 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 class GgufFile:
-    """The tensors of one GGUF file by their transformers names, each read on demand."""
+    """The tensors of one GGUF file by their transformers names, each read on demand: a weight source for
+    engine/streamed_load.py."""
 
     def __init__(self, path: Path, architecture: str, tensors: dict) -> None:
         self.path = path
@@ -101,8 +102,13 @@ class GgufFile:
     def names(self) -> list[str]:
         return list(self._tensors)
 
-    def kind(self, name: str) -> GgufType:
-        return GGUF_TYPES[self._tensors[name].tensor_type]
+    def is_4bit(self, name: str) -> bool:
+        """Whether the file's blocks of this tensor go into Tern's int4 layout as they are."""
+        return GGUF_TYPES[self._tensors[name].tensor_type].layout == "int4"
+
+    def int4(self, name: str, num_heads: int | None = None) -> Int4Parts:
+        """A 4-bit tensor's (q, d, m) for layouts.pack_int4, straight from its blocks."""
+        return GGUF_TYPES[self._tensors[name].tensor_type].to_int4(self.raw(name, num_heads))
 
     def type_name(self, name: str) -> str:
         return self._tensors[name].tensor_type.name
@@ -131,6 +137,15 @@ class GgufFile:
         tensor = self._tensors[name]
         raw = self.raw(name, num_heads)
         return dequantize(raw.numpy(), tensor.tensor_type, self.shape(name))
+
+    def float_rows(self, name: str, num_heads: int | None = None, rows: int = 4096):
+        """The matrix de-quantized `rows` rows at a time (float32 [<= rows, columns] each): an 8B model's 128k-row
+        embedding is 2 GB in float32, never whole in memory this way."""
+        tensor = self._tensors[name]
+        raw = self.raw(name, num_heads)
+        columns = self.shape(name)[1]
+        for chunk in raw.split(rows):
+            yield dequantize(chunk.numpy(), tensor.tensor_type, (chunk.shape[0], columns))
 
 
 @functools.lru_cache(maxsize=16)

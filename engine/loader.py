@@ -1,5 +1,6 @@
 """Locate and load a checkpoint: a GGUF file of a native architecture (the default model's included) is read block
-by block into the layers that serve it (engine/gguf_model.py); Hugging Face folders load through safetensors.
+by block into the layers that serve it (engine/streamed_load.py), and so is a safetensors folder whose weights are
+quantized here; other folders load their state dict whole.
 
 Weights are read into process memory (not left mmap-backed): on small machines the kernel reclaims idle
 file-backed pages and an mmap-backed model was seen slowing from 14 to 2 tokens/s.
@@ -18,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from engine import gguf_model, kernels, quant
+from engine import kernels, quant, streamed_load
 from engine.config import EngineConfig, default_cache_dir
 from engine.errors import ModelLoadError
 from engine.gguf_file import GgufFile
+from engine.safetensors_folder import SafetensorsFolder
 from engine.models.llama import NATIVE_MODEL_TYPES, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -77,7 +79,7 @@ def default_gguf_path() -> Path:
 def resolve_checkpoint(model: str | None, cache_dir: Path) -> tuple[Path, str]:
     """Return (a folder holding the model's config.json and tokenizer, a readable model name) for any accepted
     --model value. For a GGUF file of a native architecture that folder holds only those small files, written once
-    from the file's metadata: the weights are read from the GGUF itself (engine/gguf_model.py)."""
+    from the file's metadata: the weights are read from the GGUF itself (engine/streamed_load.py)."""
     gguf_path = gguf_file_of(model)
     if gguf_path is not None:
         name = DEFAULT_MODEL_NAME if model is None else gguf_path.stem.split(".")[0]
@@ -226,17 +228,16 @@ def load(config: EngineConfig) -> LoadedModel:
     # int8 and int4 quantize the checkpoint's own values, not their rounding to bf16. The rest is cast to dtype after.
     quantizes_here = device.type == "cpu" and config.quantization in ("auto", "int8", "int4")
     build_dtype = torch.float32 if quantizes_here else dtype
-    gguf_path = gguf_file_of(config.model)
-    from_blocks = is_native and gguf_path is not None  # a GGUF read block by block (engine/gguf_model.py)
-    if from_blocks:
-        model = gguf_model.build_model(GgufFile.open(gguf_path), hf_config, config.quantization, build_dtype, device)
+    source = _weight_source(config.model, folder, is_native, quantizes_here)
+    if source is not None:  # read tensor by tensor into the layers that serve them
+        model = streamed_load.build_model(source, hf_config, config.quantization, build_dtype, device)
     elif is_native:
         model = _load_native(folder, hf_config, build_dtype, device)
     else:
         model = _load_generic(folder, build_dtype, device)
     model.eval()
-    if from_blocks and quantizes_here:  # its layers were built quantized, as the file's blocks said
-        mode = gguf_model.served_mode(model)
+    if source is not None and quantizes_here:  # its layers were built quantized, as the source's tensors said
+        mode = streamed_load.served_mode(model)
     else:
         mode = quant.resolve_mode(config.quantization, device, model, cpu_kernels)
         quant.quantize(model, mode, device, dtype, double_quant=config.bnb_double_quant)
@@ -246,6 +247,20 @@ def load(config: EngineConfig) -> LoadedModel:
     loaded = LoadedModel(model, tokenizer, hf_config, name, folder, is_native, device, dtype, mode, cpu_kernels)
     logger.info("loaded %s: %s", name, loaded.describe_weights())
     return loaded
+
+
+def _weight_source(model: str | None, folder: Path, is_native: bool, quantizes_here: bool):
+    """What engine/streamed_load.py reads the native model from, tensor by tensor: a GGUF file always; a
+    safetensors folder when its weights are quantized here (an 8B bf16 folder then never exists in float32).
+    None: load the whole state dict (other modes on a folder) or through transformers (other architectures)."""
+    if not is_native:
+        return None
+    gguf_path = gguf_file_of(model)
+    if gguf_path is not None:
+        return GgufFile.open(gguf_path)
+    if quantizes_here and any(folder.glob("*.safetensors")):
+        return SafetensorsFolder(folder)
+    return None
 
 
 def build_native(hf_config, state_dict: dict[str, torch.Tensor], dtype, device) -> LlamaForCausalLM:

@@ -38,6 +38,7 @@ KERNEL_SOURCES = {
     "int4_avx2.cpp": "avx2",
     "decode_attention_avx2.cpp": "avx2",
     "int8_avx512.cpp": "avx512",
+    "int4_avx512.cpp": "avx512",
     "decode_attention_avx512.cpp": "avx512",
     "bf16_avx512.cpp": "avx512_bf16",
 }

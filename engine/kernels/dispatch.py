@@ -1,10 +1,10 @@
 """Which of Tern's CPU kernels run in this process, and why: decided once from the CPU's features.
 
 Paths, best first:
-- `avx512`: int8 by AVX512-VNNI, decode attention in 16-float registers, bf16 by AVX512-BF16 where the CPU has it;
+- `avx512`: int8 and int4 by AVX512-VNNI, decode attention in 16-float registers, bf16 by AVX512-BF16 where the CPU has it;
 - `avx2`: int8 by vpmaddubsw (the same bits as VNNI), decode attention in 8-float registers;
 - `off`: aten's own ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) and matmul attention.
-The 4-bit kernel is AVX2 code and serves both kernel paths. TERN_CPU_KERNELS=avx512|avx2|off forces a path (the
+TERN_CPU_KERNELS=avx512|avx2|off forces a path (the
 tests run each path the CPU supports); a forced path the CPU lacks falls back to the best it has, with a warning.
 ARM (NEON, dot-product) has no path yet: nothing here could measure or test one, so ARM CPUs take `off`.
 """
@@ -61,7 +61,8 @@ def describe_path(path: str) -> str:
         parts = {"int8": "aten", "int4": "aten", "bf16": "aten", "decode attention": "matmul"}
     else:
         bf16 = "avx512-bf16" if path == "avx512" and BF16_FLAG in cpu_flags() else "aten"
-        parts = {"int8": "avx512-vnni" if path == "avx512" else "avx2", "int4": "avx2", "bf16": bf16,
+        vnni = "avx512-vnni" if path == "avx512" else "avx2"
+        parts = {"int8": vnni, "int4": vnni, "bf16": bf16,
                  "decode attention": path}
     return f"{path} ({', '.join(f'{kind}: {impl}' for kind, impl in parts.items())})"
 
@@ -135,7 +136,7 @@ def kernels_for(path: str, cache_dir: Path, reason: str = "") -> CpuKernels:
     _load_library(cache_dir)
     ops = torch.ops.tern
     bf16 = getattr(ops, "bf16_mm_avx512", None) if path == "avx512" and BF16_FLAG in cpu_flags() else None
-    return CpuKernels(path, reason or "asked for", getattr(ops, f"int8_mm_{path}"), ops.int4_mm_avx2, bf16,
+    return CpuKernels(path, reason or "asked for", getattr(ops, f"int8_mm_{path}"), getattr(ops, f"int4_mm_{path}"), bf16,
                       getattr(ops, f"decode_attention_{path}"))
 
 
@@ -186,7 +187,8 @@ def _register_fakes() -> None:
     def attention_shape(q, k_cache, v_cache, context_slots, context_lens, scale):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
-    for names, shape in ((("int8_mm_avx2", "int8_mm_avx512", "int4_mm_avx2", "bf16_mm_avx512"), matmul_shape),
+    for names, shape in ((("int8_mm_avx2", "int8_mm_avx512", "int4_mm_avx2", "int4_mm_avx512", "bf16_mm_avx512"),
+                          matmul_shape),
                          (("decode_attention_avx2", "decode_attention_avx512"), attention_shape)):
         for name in names:
             if hasattr(torch.ops.tern, name):

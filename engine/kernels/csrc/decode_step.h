@@ -55,10 +55,12 @@ class DecodeStep : public torch::CustomClassHolder {
     TORCH_CHECK(head_dim % 16 == 0, "DecodeStep: head_dim must be a multiple of 16");
     if (isa == "avx2") {
       int8_groups_ = int8_groups_avx2;
+      int4_groups_ = int4_groups_avx2;
       attention_ = decode_attention_avx2;
 #ifdef TERN_WITH_AVX512
     } else if (isa == "avx512") {
       int8_groups_ = int8_groups_avx512;
+      int4_groups_ = int4_groups_avx512;
       attention_ = decode_attention_avx512;
 #endif
     } else {
@@ -185,7 +187,7 @@ class DecodeStep : public torch::CustomClassHolder {
 
   void linear(const Linear& l, const float* x, int64_t M, float* out) {
     if (l.int4) {
-      int4_matmul(int4_groups_avx2, scratch_, x, false, M, l.K, l.packed.data_ptr<uint8_t>(), l.N, out);
+      int4_matmul(int4_groups_, scratch_, x, false, M, l.K, l.packed.data_ptr<uint8_t>(), l.N, out);
     } else {
       int8_matmul(int8_groups_, scratch_, x, false, M, l.K, l.packed.data_ptr<uint8_t>(), l.scales.data_ptr(), false,
                   l.N, out);
@@ -200,6 +202,7 @@ class DecodeStep : public torch::CustomClassHolder {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   float eps_;
   Int8Groups int8_groups_ = nullptr;
+  Int4Groups int4_groups_ = nullptr;
   AttentionTasks attention_ = nullptr;
   std::vector<Layer> layers_;
   QuantizedScratch scratch_;

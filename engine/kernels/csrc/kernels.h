@@ -52,6 +52,7 @@ struct Int4Problem {
 };
 constexpr int64_t kInt4GroupRows = 8, kInt4GroupCols = 32, kInt4GroupBytes = 160;
 void int4_groups_avx2(const Int4Problem& p, int64_t g0, int64_t g1);
+void int4_groups_avx512(const Int4Problem& p, int64_t g0, int64_t g1);
 
 // bf16 x bf16 -> bf16 on AVX512-BF16, weights packed [N/4][K/32][4][32] (engine/kernels/layouts.py).
 struct Bf16Problem {

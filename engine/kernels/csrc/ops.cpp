@@ -43,6 +43,7 @@ at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& w_packed, const at:
 }
 
 // w_packed: uint8 [N, K * 5 / 8], 160 bytes per group of 8 rows and 32 columns (kernels.h).
+template <Int4Groups Groups>
 at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
   const at::Tensor x = x_in.contiguous();
   check_activations(x, "int4_mm");
@@ -53,7 +54,7 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
               "int4_mm: K must be a multiple of 32, N of 8, and w_packed [N, K * 5 / 8]");
   at::Tensor out = at::empty({M, N}, x.options());
   QuantizedScratch scratch;
-  int4_matmul(int4_groups_avx2, scratch, x.data_ptr(), x.scalar_type() == at::kBFloat16, M, K,
+  int4_matmul(Groups, scratch, x.data_ptr(), x.scalar_type() == at::kBFloat16, M, K,
               w_packed.data_ptr<uint8_t>(), N, out.data_ptr());
   return out;
 }
@@ -110,6 +111,7 @@ TORCH_LIBRARY(tern, m) {
         "float scale) -> Tensor");
 #ifdef TERN_WITH_AVX512
   m.def("int8_mm_avx512(Tensor x, Tensor w_packed, Tensor w_scale) -> Tensor");
+  m.def("int4_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("decode_attention_avx512(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, "
         "Tensor context_lens, float scale) -> Tensor");
 #endif
@@ -126,10 +128,11 @@ TORCH_LIBRARY_FRAGMENT(tern, m) {
 
 TORCH_LIBRARY_IMPL(tern, CPU, m) {
   m.impl("int8_mm_avx2", &tern::int8_mm<tern::int8_groups_avx2>);
-  m.impl("int4_mm_avx2", &tern::int4_mm);
+  m.impl("int4_mm_avx2", &tern::int4_mm<tern::int4_groups_avx2>);
   m.impl("decode_attention_avx2", &tern::decode_attention_op<tern::decode_attention_avx2>);
 #ifdef TERN_WITH_AVX512
   m.impl("int8_mm_avx512", &tern::int8_mm<tern::int8_groups_avx512>);
+  m.impl("int4_mm_avx512", &tern::int4_mm<tern::int4_groups_avx512>);
   m.impl("decode_attention_avx512", &tern::decode_attention_op<tern::decode_attention_avx512>);
 #endif
 #ifdef TERN_WITH_AVX512_BF16

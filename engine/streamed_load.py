@@ -1,11 +1,17 @@
-"""Build the native model from a GGUF file tensor by tensor, each weight going straight to the layer that serves it.
+"""Build the native model tensor by tensor from a weight source, each weight going straight to the layer that serves
+it: a GGUF file (engine/gguf_file.GgufFile) or a Hugging Face safetensors folder (engine/safetensors_folder.py).
 
-Under `auto`, `int4` and `int8` on a CPU the file's blocks decide (engine/gguf_blocks.GGUF_TYPES): a 4-bit tensor
-becomes Tern's int4 layout without passing through float, the rest is de-quantized one tensor at a time and
-quantized per row to int8 (`int8` de-quantizes everything; `int4` also quantizes float tensors to 4-bit, as it
-does for any checkpoint). Fused projections (qkv, gate/up) keep 4-bit only when every part is 4-bit. Any other
-mode gets float weights here, one tensor at a time, and quant.quantize runs after as for any checkpoint. Either way
-no whole-model float copy exists: peak memory is the served weights plus one tensor in float32.
+Under `auto`, `int4` and `int8` on a CPU the source's tensors decide: a tensor that is 4-bit already (a GGUF's
+Q4_0/Q4_1/Q4_K blocks, engine/gguf_blocks.GGUF_TYPES) becomes Tern's int4 layout without passing through float;
+the rest is read as float32 a few thousand rows at a time and quantized per row to int8 (`int8` does that to
+everything; `int4` also quantizes float tensors to 4-bit, as it does for any checkpoint). Fused projections (qkv,
+gate/up) keep 4-bit only when every part is 4-bit. Any other mode gets float weights here, one tensor at a time, and
+quant.quantize runs after, as for any checkpoint. Either way no whole-model float copy exists: peak memory is the
+served weights plus about one tensor in float32.
+
+A source answers: path, names(), `in`, shape(name), type_name(name), is_4bit(name), int4(name, heads) (q, d, m for
+layouts.pack_int4), float(name, heads) and float_rows(name, heads); `heads` names how many heads a q or k matrix
+holds, for sources whose rows are stored in another order (llama.cpp's converter permutes them).
 """
 from __future__ import annotations
 
@@ -17,7 +23,6 @@ from torch import nn
 
 from engine import quant
 from engine.errors import ModelLoadError
-from engine.gguf_file import GgufFile
 from engine.kernels import layouts
 from engine.layers import Int4Embedding, Int4Linear, Int8Embedding, Int8Linear
 from engine.models.llama import LlamaForCausalLM
@@ -27,17 +32,17 @@ logger = logging.getLogger(__name__)
 QUANTIZED_HERE = ("auto", "int4", "int8")  # modes whose layers this module builds itself on a CPU
 
 
-def build_model(gguf: GgufFile, hf_config, mode: str, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """The model with every weight read from `gguf`. In QUANTIZED_HERE modes on CPU its linear layers are already
+def build_model(source, hf_config, mode: str, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """The model with every weight read from `source`. In QUANTIZED_HERE modes on CPU its linear layers are already
     Int4Linear/Int8Linear (quant.pack_for_cpu packs them next); otherwise they are nn.Linear in `dtype`."""
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config)
-    unknown = [name for name in gguf.names() if name not in model.state_dict()]
+    unknown = [name for name in source.names() if name not in model.state_dict() and "rotary_emb" not in name]
     if unknown:  # before any weight is read
-        raise ModelLoadError(f"{gguf.path}: tensors a {hf_config.model_type} model has no place for: {unknown[:5]}")
+        raise ModelLoadError(f"{source.path}: tensors a {hf_config.model_type} model has no place for: {unknown[:5]}")
     model.fuse_projections()
     quantized = mode in QUANTIZED_HERE and device.type == "cpu"
-    builder = _LayerBuilder(gguf, hf_config, mode if quantized else "none", dtype)
+    builder = _LayerBuilder(source, hf_config, mode if quantized else "none", dtype)
     for index, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{index}."
         attn, mlp = layer.self_attn, layer.mlp
@@ -52,7 +57,7 @@ def build_model(gguf: GgufFile, hf_config, mode: str, dtype: torch.dtype, device
             attn.k_norm.weight = builder.parameter(prefix + "self_attn.k_norm.weight")
     model.model.norm.weight = builder.parameter("model.norm.weight")
     builder.embedding_and_head(model)
-    logger.info("%s: %s", gguf.path.name, builder.summary())
+    logger.info("%s: %s", source.path.name, builder.summary())
     return model.to(device)
 
 
@@ -62,8 +67,9 @@ def served_mode(model: nn.Module) -> str:
 
 
 class _LayerBuilder:
-    def __init__(self, gguf: GgufFile, hf_config, mode: str, dtype: torch.dtype) -> None:
-        self.gguf, self.mode, self.dtype = gguf, mode, dtype
+    def __init__(self, source, hf_config, mode: str, dtype: torch.dtype) -> None:
+        self.source, self.mode, self.dtype = source, mode, dtype
+        self.tied = getattr(hf_config, "tie_word_embeddings", False) or "lm_head.weight" not in source
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = hf_config.num_key_value_heads
         self.used: set[str] = set()
@@ -73,10 +79,10 @@ class _LayerBuilder:
         return ", ".join(f"{n} {t} as {how}" for (t, how), n in sorted(self.served.items()))
 
     def _take(self, name: str) -> str:
-        if name not in self.gguf:
-            raise ModelLoadError(f"{self.gguf.path}: the file has no tensor for {name}")
+        if name not in self.source:
+            raise ModelLoadError(f"{self.source.path}: the file has no tensor for {name}")
         self.used.add(name)
-        return self.gguf.type_name(name)
+        return self.source.type_name(name)
 
     def _heads(self, name: str) -> int | None:
         """How many heads a matrix's rows hold, for the matrices whose rows llama.cpp's converter reorders."""
@@ -87,18 +93,22 @@ class _LayerBuilder:
         return None
 
     def _is_4bit(self, name: str) -> bool:
-        rows, cols = self.gguf.shape(name)
-        return (self.gguf.kind(name).layout == "int4" and rows % layouts.INT4_GROUP_ROWS == 0
+        rows, cols = self.source.shape(name)
+        return (self.source.is_4bit(name) and rows % layouts.INT4_GROUP_ROWS == 0
                 and cols % layouts.INT4_GROUP_COLS == 0)
 
     def _int4(self, name: str) -> torch.Tensor:
-        """Tern's int4 layout straight from the file's 4-bit blocks."""
-        raw = self.gguf.raw(name, self._heads(name))
-        self.served[(self.gguf.type_name(name), "int4")] += 1
-        return layouts.pack_int4(*self.gguf.kind(name).to_int4(raw))
+        """Tern's int4 layout straight from the source's 4-bit blocks."""
+        self.served[(self.source.type_name(name), "int4")] += 1
+        return layouts.pack_int4(*self.source.int4(name, self._heads(name)))
 
     def _float(self, name: str) -> torch.Tensor:
-        return self.gguf.float(name, self._heads(name))
+        return self.source.float(name, self._heads(name))
+
+    def _int8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row int8 (quant.quantize_int8), de-quantizing a few thousand rows at a time."""
+        parts = [quant.quantize_int8(rows, self.dtype) for rows in self.source.float_rows(name, self._heads(name))]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def parameter(self, name: str) -> nn.Parameter:
         self._take(name)
@@ -106,11 +116,11 @@ class _LayerBuilder:
 
     def _bias(self, names: list[str]) -> torch.Tensor | None:
         biases = [name.removesuffix(".weight") + ".bias" for name in names]
-        present = [b for b in biases if b in self.gguf]
+        present = [b for b in biases if b in self.source]
         if not present:
             return None
         if len(present) != len(biases):
-            raise ModelLoadError(f"{self.gguf.path}: some of {biases} have a bias and some do not")
+            raise ModelLoadError(f"{self.source.path}: some of {biases} have a bias and some do not")
         for b in present:
             self._take(b)
         return torch.cat([self._float(b) for b in present]).to(self.dtype)
@@ -122,7 +132,7 @@ class _LayerBuilder:
         bias = self._bias(names)
         if self.mode in ("auto", "int4") and all(self._is_4bit(n) for n in names):
             return Int4Linear(torch.cat([self._int4(n) for n in names]), bias)
-        if self.mode == "int4" and all(self.gguf.shape(n)[1] % layouts.INT4_GROUP_COLS == 0 for n in names):
+        if self.mode == "int4" and all(self.source.shape(n)[1] % layouts.INT4_GROUP_COLS == 0 for n in names):
             packed = []
             for name, type_name in zip(names, types):
                 weight = self._float(name)
@@ -135,7 +145,7 @@ class _LayerBuilder:
         if self.mode in ("auto", "int4", "int8"):
             rows, scales = [], []
             for name, type_name in zip(names, types):
-                weight_int8, row_scales = quant.quantize_int8(self._float(name), self.dtype)
+                weight_int8, row_scales = self._int8(name)
                 rows.append(weight_int8)
                 scales.append(row_scales)
                 self.served[(type_name, "int8")] += 1
@@ -151,8 +161,7 @@ class _LayerBuilder:
 
     def embedding_and_head(self, model: LlamaForCausalLM) -> None:
         """The token embedding, and the lm_head: tied to it (one matrix) when the file has no `output` tensor."""
-        embedding_name, head_name = "model.embed_tokens.weight", "lm_head.weight"
-        tied = head_name not in self.gguf
+        embedding_name, tied = "model.embed_tokens.weight", self.tied
         self._take(embedding_name)
         if self.mode == "none":
             weight = nn.Parameter(self._float(embedding_name).to(self.dtype), requires_grad=False)
@@ -160,7 +169,7 @@ class _LayerBuilder:
             model.lm_head = self.linear(["lm_head"]) if not tied else model.lm_head
             if tied:
                 model.lm_head.weight = weight
-            self.served[(self.gguf.type_name(embedding_name), "embedding")] += 1
+            self.served[(self.source.type_name(embedding_name), "embedding")] += 1
             return
         if self._is_4bit(embedding_name) and self.mode in ("auto", "int4"):
             packed = self._int4(embedding_name)
@@ -168,8 +177,8 @@ class _LayerBuilder:
             if tied:
                 model.lm_head = Int4Linear(packed, None)
         else:
-            weight_int8, scales = quant.quantize_int8(self._float(embedding_name), self.dtype)
-            self.served[(self.gguf.type_name(embedding_name), "int8")] += 1
+            weight_int8, scales = self._int8(embedding_name)
+            self.served[(self.source.type_name(embedding_name), "int8")] += 1
             model.model.embed_tokens = Int8Embedding(weight_int8, scales)
             if tied:
                 model.lm_head = Int8Linear(weight_int8, scales, None)

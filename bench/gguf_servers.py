@@ -1,0 +1,186 @@
+"""Tern against llama.cpp's own llama-server on the same GGUF files, alternated rounds, end to end.
+
+    ../shared/tools/llama_server.sh                       # builds llama-server once (~15 min), prints its folder
+    ../shared/tools/make_model.py llama1b /tmp/llama1b ... --quants Q4_0,Q4_K_M,Q8_0   # random 1B-shaped GGUFs
+    .venv/bin/python bench/gguf_servers.py --llama-bin ~/.cache/llama-cpp-src/llama.cpp/build/bin \
+        --rounds 2 FILE.gguf [FILE.gguf ...]              # no file: the default model
+
+Per file and round (the order of the servers reversed every other round), each server alone on the machine:
+- llama-server `-t 2 -np 1` for one stream and the prefill, `-np 16` for 16 streams (continuous batching over slots);
+- Tern: `python app.py --model FILE` with no other flag, as a user starts it.
+Measured: seconds from launch to ready (/health 200, and for Tern no compile under way), the server's peak and
+steady resident memory (VmHWM, VmRSS after the runs), one stream's and 16 streams' output tokens/s (~100-token
+prompts, 128 tokens, ignore_eos, bench/serve.py), and the time to first token of a ~1,500-token prompt (prefill).
+Ratios are Tern over llama-server within a round. 127.0.0.1 only.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import serve  # noqa: E402  bench/serve.py: one sweep against one server
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def command(server: str, model: Path, port: int, llama_bin: Path, slots: int) -> list[str]:
+    if server == "llama-server":
+        return [str(llama_bin / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                "-t", "2", "-np", str(slots), "-c", str(max(4096, 512 * slots)), "--log-disable"]
+    return [sys.executable, str(ROOT / "app.py"), "--host", "127.0.0.1", "--port", str(port), "--model", str(model)]
+
+
+def memory_mb(pid: int) -> dict[str, float]:
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS"):
+            fields[key] = int(value.split()[0]) / 1024
+    return fields
+
+
+class Server:
+    def __init__(self, server: str, model: Path, llama_bin: Path, slots: int, log_dir: Path) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_dir / f"{server}-{model.stem}-{self.port}.log", "w")
+        self.started = time.perf_counter()
+        self.process = subprocess.Popen(command(server, model, self.port, llama_bin, slots), cwd=ROOT,
+                                        stdout=self.log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, "TERN_LOG_LEVEL": "info"})
+        self.ready_s = self._wait_ready()
+
+    def _wait_ready(self) -> float:
+        deadline = time.monotonic() + 1800
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(f"server exited with {self.process.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(f"{self.base}/health", timeout=5).status_code == 200:
+                    card = httpx.get(f"{self.base}/v1/models", timeout=5).json()["data"][0]
+                    if card.get("decode_step") != "compiling":
+                        return time.perf_counter() - self.started
+            except (httpx.HTTPError, KeyError, IndexError, ValueError):
+                pass
+            time.sleep(0.25)
+        raise SystemExit(f"not ready after 1800 s; see {self.log.name}")
+
+    def sweep(self, concurrency: int, prompt_tokens: int = 100, max_tokens: int = 128) -> dict:
+        args = argparse.Namespace(base_url=f"{self.base}/v1", model=None, api_key=None, concurrency=[concurrency],
+                                  prompt_tokens=prompt_tokens, max_tokens=max_tokens, requests_per_level=None,
+                                  intruder_tokens=0, intruder_delay=3.0, timeout=900, openai_fields_only=False)
+        [row] = asyncio.run(serve.main_async(args))
+        if row["errors"]:
+            raise SystemExit(f"errors: {row['first_error']}")
+        return row
+
+    def prefill_s(self, prompt_tokens: int) -> float:
+        """Time to the first token of one long prompt (a different one each time: no prefix cache)."""
+        row = self.sweep(1, prompt_tokens=prompt_tokens, max_tokens=1)
+        return row["ttft_p50_s"]
+
+    def stop(self) -> dict[str, float]:
+        memory = memory_mb(self.process.pid)
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        return memory
+
+
+def measure(server: str, model: Path, args) -> dict:
+    result = {}
+    first = Server(server, model, args.llama_bin, 1, args.log_dir)
+    try:
+        result["ready_s"] = first.ready_s
+        result["c1"] = first.sweep(1)["output_tok_s"]
+        result["prefill_s"] = first.prefill_s(args.prefill_tokens)
+        if server != "llama-server":
+            result["c16"] = first.sweep(16)["output_tok_s"]
+    finally:
+        memory = first.stop()
+    result["peak_mb"], result["steady_mb"] = memory.get("VmHWM", float("nan")), memory.get("VmRSS", float("nan"))
+    if server == "llama-server":  # its slots are fixed at start: 16 streams need -np 16
+        wide = Server(server, model, args.llama_bin, 16, args.log_dir)
+        try:
+            result["c16"] = wide.sweep(16)["output_tok_s"]
+        finally:
+            wide.stop()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("models", nargs="*", type=Path)
+    parser.add_argument("--llama-bin", type=Path, required=True, help="the folder holding llama-server")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--prefill-tokens", type=int, default=1500)
+    parser.add_argument("--log-dir", type=Path, default=Path("/tmp"))
+    args = parser.parse_args()
+    if not args.models:
+        sys.path.insert(0, str(ROOT))
+        from engine.loader import default_gguf_path
+
+        args.models = [default_gguf_path()]
+    servers = ["tern", "llama-server"]
+    table = []
+    for model in args.models:
+        rounds = {name: [] for name in servers}
+        for index in range(args.rounds):
+            for name in servers if index % 2 == 0 else servers[::-1]:
+                result = measure(name, model, args)
+                rounds[name].append(result)
+                print(f"{model.name} round {index + 1} {name}: {result}", flush=True)
+        table.append((model, rounds))
+
+    flags = sorted(_cpu_flags() & {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                                   "avx512_bf16"})
+    print(f"\n{args.rounds} alternated rounds; CPU flags: {' '.join(flags)}; {os.cpu_count()} cores\n")
+    print("| GGUF | file MB | 1 stream tok/s Tern vs llama-server | 16 streams | prefill s (~"
+          f"{args.prefill_tokens} tokens) | ready s | peak MB | steady MB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model, rounds in table:
+        tern, llama = rounds["tern"], rounds["llama-server"]
+
+        def pair(key: str, higher_is_better: bool = True) -> str:
+            ours, theirs = [r[key] for r in tern], [r[key] for r in llama]
+            ratios = [(a / b if higher_is_better else b / a) for a, b in zip(ours, theirs)]
+            return (f"{', '.join(f'{v:.1f}' for v in ours)} vs {', '.join(f'{v:.1f}' for v in theirs)} "
+                    f"(**{statistics.median(ratios):.2f}x**)")
+
+        def plain(key: str) -> str:
+            return (f"{', '.join(f'{r[key]:.0f}' for r in tern)} vs "
+                    f"{', '.join(f'{r[key]:.0f}' for r in llama)}")
+
+        print(f"| {model.name} | {model.stat().st_size / 1e6:.0f} | {pair('c1')} | {pair('c16')} | "
+              f"{pair('prefill_s', higher_is_better=False)} | {pair('ready_s', higher_is_better=False)} | "
+              f"{plain('peak_mb')} | {plain('steady_mb')} |")
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+if __name__ == "__main__":
+    main()
