@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from engine import Engine, EngineConfig, SamplingParams, loader  # noqa: E402
 
 QUESTIONS = [
     "Tell me a story about a lighthouse keeper.",
@@ -55,7 +55,10 @@ def main() -> None:
 
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
                                  max_num_seqs=max(64, args.streams), compile=args.compile)).start()
-    baseline = BaselineProcess(engine.loaded.folder, engine.dtype, engine.device)
+    # transformers' baseline needs a float checkpoint: a GGUF (the default model's included) is de-quantized once.
+    gguf = loader.gguf_file_of(args.model)
+    folder = loader.dequantized_checkpoint(gguf, loader.default_cache_dir()) if gguf else engine.loaded.folder
+    baseline = BaselineProcess(folder, engine.dtype, engine.device)
     pad_id = engine.tokenizer.tokenizer.pad_token_id or 0
     tokenizer = engine.tokenizer
     prompts = [

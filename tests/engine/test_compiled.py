@@ -191,7 +191,7 @@ def test_compile_where_unsupported_runs_eager_and_still_serves(tiny_engine_facto
 
 
 @pytest.mark.slow
-def test_compiled_default_model_matches_transformers(default_tokenizer):
+def test_compiled_default_model_matches_transformers(default_tokenizer, default_checkpoint):
     """The parity test of test_parity.py, on the compiled engine the server runs by default."""
     from test_parity import PROMPTS, _chat_ids, _hf_greedy
     from transformers import AutoModelForCausalLM
@@ -205,7 +205,7 @@ def test_compiled_default_model_matches_transformers(default_tokenizer):
         together = [c.choices[0].token_ids for c in engine.generate(prompt_ids, params)]
     finally:
         engine.stop()
-    hf_model = AutoModelForCausalLM.from_pretrained(engine.loaded.folder, dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(default_checkpoint, dtype=torch.float32).eval()
     eos = hf_model.generation_config.eos_token_id
     reference = [_hf_greedy(hf_model, ids, 64, eos) for ids in prompt_ids]
     assert alone == reference

@@ -68,3 +68,19 @@ def test_cli_reports_a_missing_model_in_one_line_without_a_traceback(tmp_path):
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().startswith("error: model 'nobody/no-such-model-anywhere'")
+
+
+def test_auto_dtype_is_float32_where_tern_kernels_serve_the_weights():
+    """Tern's int8/int4 kernels quantize activations whatever their dtype, and their native decode step computes
+    in float32: `auto` gives float32 there, so that step serves from the first request instead of a compiled bf16
+    one built in the background. Other CPU modes keep bf16 where the CPU computes it natively."""
+    from engine.loader import _cpu_has_native_bf16, choose_dtype
+
+    cpu = torch.device("cpu")
+    for mode in ("auto", "int8", "int4"):
+        assert choose_dtype("auto", cpu, mode, "avx2") == torch.float32
+        assert choose_dtype("auto", cpu, mode, "avx512") == torch.float32
+    native_bf16 = torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+    assert choose_dtype("auto", cpu, "none", "avx512") == native_bf16
+    assert choose_dtype("auto", cpu, "int8", "off") == native_bf16  # aten's ops: nothing runs the native step
+    assert choose_dtype("bfloat16", cpu, "int4", "avx2") == torch.bfloat16  # asked for: kept
