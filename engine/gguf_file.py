@@ -64,6 +64,13 @@ class GgufFile:
 
     @classmethod
     def open(cls, path: Path) -> "GgufFile":
+        """Parse and check the file's header, once per file version (a start asks twice: which loader, then the
+        weights; parsing a 128k-token vocabulary takes seconds)."""
+        stat = Path(path).stat()
+        return _open(Path(path).resolve(), stat.st_size, stat.st_mtime_ns)
+
+    @classmethod
+    def _parse(cls, path: Path) -> "GgufFile":
         import gguf
 
         try:
@@ -146,6 +153,11 @@ class GgufFile:
         columns = self.shape(name)[1]
         for chunk in raw.split(rows):
             yield dequantize(chunk.numpy(), tensor.tensor_type, (chunk.shape[0], columns))
+
+
+@functools.lru_cache(maxsize=2)
+def _open(path: Path, size: int, mtime_ns: int) -> GgufFile:
+    return GgufFile._parse(path)
 
 
 @functools.lru_cache(maxsize=16)

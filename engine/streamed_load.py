@@ -125,14 +125,16 @@ class _LayerBuilder:
             self._take(b)
         return torch.cat([self._float(b) for b in present]).to(self.dtype)
 
-    def linear(self, parts: list[str]) -> nn.Module:
-        """One layer for the rows of `parts` stacked (a fused projection), in the mode's layout."""
+    def linear(self, parts: list[str], int4_from_float: bool = True) -> nn.Module:
+        """One layer for the rows of `parts` stacked (a fused projection), in the mode's layout. `int4_from_float`
+        False: under `int4` a float tensor becomes int8, as the lm_head does in that mode (engine/quant.py)."""
         names = [p + ".weight" for p in parts]
         types = [self._take(n) for n in names]
         bias = self._bias(names)
         if self.mode in ("auto", "int4") and all(self._is_4bit(n) for n in names):
             return Int4Linear(torch.cat([self._int4(n) for n in names]), bias)
-        if self.mode == "int4" and all(self.source.shape(n)[1] % layouts.INT4_GROUP_COLS == 0 for n in names):
+        if (self.mode == "int4" and int4_from_float
+                and all(self.source.shape(n)[1] % layouts.INT4_GROUP_COLS == 0 for n in names)):
             packed = []
             for name, type_name in zip(names, types):
                 weight = self._float(name)
@@ -183,4 +185,4 @@ class _LayerBuilder:
             if tied:
                 model.lm_head = Int8Linear(weight_int8, scales, None)
         if not tied:
-            model.lm_head = self.linear(["lm_head"])
+            model.lm_head = self.linear(["lm_head"], int4_from_float=False)

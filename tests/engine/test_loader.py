@@ -84,3 +84,25 @@ def test_auto_dtype_is_float32_where_tern_kernels_serve_the_weights():
     assert choose_dtype("auto", cpu, "none", "avx512") == native_bf16
     assert choose_dtype("auto", cpu, "int8", "off") == native_bf16  # aten's ops: nothing runs the native step
     assert choose_dtype("bfloat16", cpu, "int4", "avx2") == torch.bfloat16  # asked for: kept
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_safetensors_folder_quantized_here_loads_tensor_by_tensor_with_the_whole_loads_values(tiny_checkpoint,
+                                                                                                mode, tmp_path):
+    """Read tensor by tensor (engine/streamed_load.py), a folder's layers hold exactly what quantizing the whole
+    state dict gives (the path a folder takes in other modes), so streaming changes memory, not answers."""
+    from transformers import AutoConfig
+
+    from engine import quant
+    from engine.loader import build_native, load
+
+    loaded = load(EngineConfig(model=str(tiny_checkpoint), quantization=mode, dtype="float32",
+                               cache_dir=str(tmp_path)))
+    whole = build_native(AutoConfig.from_pretrained(tiny_checkpoint), read_state_dict(tiny_checkpoint),
+                         torch.float32, torch.device("cpu"))
+    quant.quantize(whole, mode, torch.device("cpu"), torch.float32)
+    quant.pack_for_cpu(whole, loaded.kernels)
+    ours, theirs = loaded.model.state_dict(), whole.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
