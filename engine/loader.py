@@ -83,7 +83,7 @@ def resolve_checkpoint(model: str | None, cache_dir: Path) -> tuple[Path, str]:
     gguf_path = gguf_file_of(model)
     if gguf_path is not None:
         name = DEFAULT_MODEL_NAME if model is None else gguf_path.stem.split(".")[0]
-        if GgufFile.open(gguf_path).is_native:
+        if GgufFile.open(gguf_path, gguf_index_dir(cache_dir)).is_native:
             return gguf_metadata(gguf_path, cache_dir), name
         return dequantized_checkpoint(gguf_path, cache_dir), name
     path = Path(model).expanduser()
@@ -102,6 +102,11 @@ def gguf_file_of(model: str | None) -> Path | None:
         return default_gguf_path()
     path = Path(model).expanduser()
     return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def gguf_index_dir(cache_dir: Path) -> Path:
+    """Where GgufFile keeps the tensor lists of the GGUF files it has parsed (a few KB each)."""
+    return cache_dir / "gguf-index"
 
 
 def _cache_folder(gguf_path: Path, cache_dir: Path, kind: str) -> Path:
@@ -125,7 +130,7 @@ def gguf_metadata(gguf_path: Path, cache_dir: Path) -> Path:
         with _gguf_read_once():
             hf_config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        hf_config.tie_word_embeddings = not GgufFile.open(gguf_path).has_output_head
+        hf_config.tie_word_embeddings = not GgufFile.open(gguf_path, gguf_index_dir(cache_dir)).has_output_head
         if hasattr(hf_config, "quantization_config"):
             del hf_config.quantization_config  # Tern serves the blocks itself; transformers must not claim them
         hf_config.save_pretrained(tmp)
@@ -241,7 +246,7 @@ def load(config: EngineConfig) -> LoadedModel:
     # int8 and int4 quantize the checkpoint's own values, not their rounding to bf16. The rest is cast to dtype after.
     quantizes_here = device.type == "cpu" and config.quantization in ("auto", "int8", "int4")
     build_dtype = torch.float32 if quantizes_here else dtype
-    source = _weight_source(config.model, folder, is_native, quantizes_here)
+    source = _weight_source(config.model, folder, cache_dir, is_native, quantizes_here)
     if source is not None:  # read tensor by tensor into the layers that serve them
         model = streamed_load.build_model(source, hf_config, config.quantization, build_dtype, device)
     elif is_native:
@@ -262,7 +267,7 @@ def load(config: EngineConfig) -> LoadedModel:
     return loaded
 
 
-def _weight_source(model: str | None, folder: Path, is_native: bool, quantizes_here: bool):
+def _weight_source(model: str | None, folder: Path, cache_dir: Path, is_native: bool, quantizes_here: bool):
     """What engine/streamed_load.py reads the native model from, tensor by tensor: a GGUF file always; a
     safetensors folder when its weights are quantized here (an 8B bf16 folder then never exists in float32).
     None: load the whole state dict (other modes on a folder) or through transformers (other architectures)."""
@@ -270,7 +275,7 @@ def _weight_source(model: str | None, folder: Path, is_native: bool, quantizes_h
         return None
     gguf_path = gguf_file_of(model)
     if gguf_path is not None:
-        return GgufFile.open(gguf_path)
+        return GgufFile.open(gguf_path, gguf_index_dir(cache_dir))
     if quantizes_here and any(folder.glob("*.safetensors")):
         return SafetensorsFolder(folder)
     return None
