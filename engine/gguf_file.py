@@ -20,7 +20,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from engine.errors import ModelLoadError
-from engine.gguf_blocks import GGUF_TYPES, Int4Parts, dequantize, supported_names
+from engine.gguf_blocks import GGUF_TYPES, dequantize, supported_names
 
 # GGUF architectures Tern runs natively, and the transformers model_type each becomes.
 NATIVE_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -121,8 +121,8 @@ class GgufFile:
         """Whether the file's blocks of this tensor go into Tern's int4 layout as they are."""
         return GGUF_TYPES[self._tensors[name].tensor_type].layout == "int4"
 
-    def int4(self, name: str, num_heads: int | None = None) -> Int4Parts:
-        """A 4-bit tensor's (q, d, m) for layouts.pack_int4, straight from its blocks."""
+    def int4(self, name: str, num_heads: int | None = None) -> torch.Tensor:
+        """A 4-bit tensor in layouts.pack_int4's layout, straight from its blocks."""
         return GGUF_TYPES[self._tensors[name].tensor_type].to_int4(self.raw(name, num_heads))
 
     def type_name(self, name: str) -> str:

@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 
 from engine.errors import ModelLoadError
-from engine.gguf_blocks import Int4Parts
 
 
 class SafetensorsFolder:
@@ -45,7 +44,7 @@ class SafetensorsFolder:
     def is_4bit(self, name: str) -> bool:
         return False  # float checkpoints: `int4` quantizes them (quant.quantize_int4)
 
-    def int4(self, name: str, num_heads: int | None = None) -> Int4Parts:
+    def int4(self, name: str, num_heads: int | None = None) -> torch.Tensor:
         raise ValueError(f"{name} is not 4-bit in {self.path}")
 
     def float(self, name: str, num_heads: int | None = None) -> torch.Tensor:

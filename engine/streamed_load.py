@@ -9,8 +9,8 @@ gate/up) keep 4-bit only when every part is 4-bit. Any other mode gets float wei
 quant.quantize runs after, as for any checkpoint. Either way no whole-model float copy exists: peak memory is the
 served weights plus about one tensor in float32.
 
-A source answers: path, names(), `in`, shape(name), type_name(name), is_4bit(name), int4(name, heads) (q, d, m for
-layouts.pack_int4), float(name, heads) and float_rows(name, heads); `heads` names how many heads a q or k matrix
+A source answers: path, names(), `in`, shape(name), type_name(name), is_4bit(name), int4(name, heads) (the tensor in
+layouts.pack_int4's layout), float(name, heads) and float_rows(name, heads); `heads` names how many heads a q or k matrix
 holds, for sources whose rows are stored in another order (llama.cpp's converter permutes them).
 """
 from __future__ import annotations
@@ -100,7 +100,7 @@ class _LayerBuilder:
     def _int4(self, name: str) -> torch.Tensor:
         """Tern's int4 layout straight from the source's 4-bit blocks."""
         self.served[(self.source.type_name(name), "int4")] += 1
-        return layouts.pack_int4(*self.source.int4(name, self._heads(name)))
+        return self.source.int4(name, self._heads(name))
 
     def _float(self, name: str) -> torch.Tensor:
         return self.source.float(name, self._heads(name))

