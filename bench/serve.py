@@ -57,6 +57,16 @@ class RequestResult:
 
 async def one_request(client: httpx.AsyncClient, args, index: int, prompt_tokens: int | None = None,
                       max_tokens: int | None = None) -> RequestResult:
+    """One streamed request. Sent once more if the server dropped the connection before answering anything: a
+    keep-alive connection it had closed while idle (llama-server does), which a browser or SDK retries too."""
+    result = await _one_request(client, args, index, prompt_tokens, max_tokens)
+    if not result.ok and result.first_token is None and "RemoteProtocolError" in result.error:
+        result = await _one_request(client, args, index, prompt_tokens, max_tokens)
+    return result
+
+
+async def _one_request(client: httpx.AsyncClient, args, index: int, prompt_tokens: int | None,
+                       max_tokens: int | None) -> RequestResult:
     max_tokens = max_tokens or args.max_tokens
     body = {
         "model": args.model,
