@@ -23,14 +23,12 @@ from gguf import GGMLQuantizationType as T
 
 from engine.kernels import layouts
 
-GROUP = layouts.INT4_GROUP_COLS  # 32 values per scale and minimum in Tern's int4 layout
 Int4Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q uint8 [N, K] in 0..15, d fp16 [N, K/32], m fp16
 
 
 @dataclass(frozen=True)
 class GgufType:
     layout: str  # "int4" or "dequantize"
-    values: str  # how Tern's values relate to the file's, for the README and the load log
     to_int4: Callable[[torch.Tensor], torch.Tensor] | None = None  # uint8 [rows, bytes per row] -> pack_int4 layout
     plain_int4: Callable[[torch.Tensor], Int4Parts] | None = None  # the same, as (q, d, m): the twin tests hold it to
 
@@ -156,17 +154,17 @@ def q4_k_packed(blocks: torch.Tensor) -> torch.Tensor:
 
 
 GGUF_TYPES: dict[T, GgufType] = {
-    T.F32: GgufType("dequantize", "exact"),
-    T.F16: GgufType("dequantize", "exact"),
-    T.BF16: GgufType("dequantize", "exact"),
-    T.Q4_0: GgufType("int4", "exact", q4_0_packed, q4_0_to_int4),
-    T.Q4_1: GgufType("int4", "exact", q4_1_packed, q4_1_to_int4),
-    T.Q4_K: GgufType("int4", "scales and minimums rounded to fp16", q4_k_packed, q4_k_to_int4),
-    T.Q5_0: GgufType("dequantize", "de-quantized; per-row int8 under auto"),
-    T.Q5_1: GgufType("dequantize", "de-quantized; per-row int8 under auto"),
-    T.Q8_0: GgufType("dequantize", "de-quantized; per-row int8 under auto"),
-    T.Q5_K: GgufType("dequantize", "de-quantized; per-row int8 under auto"),
-    T.Q6_K: GgufType("dequantize", "de-quantized; per-row int8 under auto"),
+    T.F32: GgufType("dequantize"),
+    T.F16: GgufType("dequantize"),
+    T.BF16: GgufType("dequantize"),
+    T.Q4_0: GgufType("int4", q4_0_packed, q4_0_to_int4),
+    T.Q4_1: GgufType("int4", q4_1_packed, q4_1_to_int4),
+    T.Q4_K: GgufType("int4", q4_k_packed, q4_k_to_int4),
+    T.Q5_0: GgufType("dequantize"),
+    T.Q5_1: GgufType("dequantize"),
+    T.Q8_0: GgufType("dequantize"),
+    T.Q5_K: GgufType("dequantize"),
+    T.Q6_K: GgufType("dequantize"),
 }
 
 
@@ -178,10 +176,5 @@ def dequantize(raw: np.ndarray, ggml_type: T, shape: tuple[int, ...]) -> torch.T
     """float32 [shape] from a tensor's raw bytes, with `gguf`'s reference de-quantizer (exact for float types)."""
     from gguf import quants
 
-    if ggml_type == T.F32:
-        values = raw.view(np.float32)
-    elif ggml_type == T.F16:
-        values = raw.view(np.float16).astype(np.float32)
-    else:
-        values = quants.dequantize(raw.reshape(shape[0], -1) if len(shape) > 1 else raw, ggml_type)
+    values = quants.dequantize(raw.reshape(shape[0], -1) if len(shape) > 1 else raw, ggml_type)
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)

@@ -9,7 +9,6 @@ at most one tensor's bytes are in flight beside the weights already converted.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -21,9 +20,8 @@ from gguf import GGMLQuantizationType as T
 
 from engine.errors import ModelLoadError
 from engine.gguf_blocks import GGUF_TYPES, dequantize, supported_names
+from engine.models.llama import NATIVE_MODEL_TYPES
 
-# GGUF architectures Tern runs natively, and the transformers model_type each becomes.
-NATIVE_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 # llama.cpp's converter reorders the rows of q and k for these (its RoPE pairs neighbours, HF's pairs halves).
 PERMUTED_QK_ARCHITECTURES = ("llama",)
 # Tensors a GGUF may hold that these models do not use (long-context RoPE factors are in the config, too).
@@ -67,13 +65,13 @@ class GgufFile:
         self._tensors = tensors  # transformers name -> TensorInfo
 
     @classmethod
-    def open(cls, path: Path, index_dir: Path | None = None) -> "GgufFile":
+    def open(cls, path: Path, index: Path | None = None) -> "GgufFile":
         """Parse and check the file's header. `gguf`'s reader takes seconds over a large vocabulary (5.5 s for a
-        49k-token one on 2 busy cores), so the tensor list it finds is kept as a small JSON index in `index_dir`,
-        keyed by the file's path, size and modification time, and later starts read that instead."""
+        49k-token one on 2 busy cores), so the tensor list it finds is kept in `index`, a small JSON file the caller
+        names per version of the file, and later starts read that instead."""
         path = Path(path).resolve()
         stat = path.stat()
-        return _open(path, stat.st_size, stat.st_mtime_ns, index_dir)
+        return _open(path, stat.st_size, stat.st_mtime_ns, index)
 
     @classmethod
     def _parse(cls, path: Path, index: Path | None) -> "GgufFile":
@@ -104,7 +102,7 @@ class GgufFile:
     @property
     def is_native(self) -> bool:
         """Whether Tern has a native model for this file's architecture (else transformers' generic one serves)."""
-        return self.architecture in NATIVE_ARCHITECTURES
+        return self.architecture in NATIVE_MODEL_TYPES  # GGUF names these architectures as transformers does
 
     @property
     def has_output_head(self) -> bool:
@@ -196,12 +194,8 @@ def _write_index(index: Path, architecture: str | None, tensors: list[TensorInfo
 
 
 @functools.lru_cache(maxsize=2)
-def _open(path: Path, size: int, mtime_ns: int, index_dir: Path | None) -> GgufFile:
-    """Once per process and file version: a start asks twice (which loader, then the weights)."""
-    index = None
-    if index_dir is not None:
-        key = hashlib.sha256(f"{path}:{size}:{mtime_ns}".encode()).hexdigest()[:16]
-        index = index_dir / f"{path.stem}-{key}.json"
+def _open(path: Path, size: int, mtime_ns: int, index: Path | None) -> GgufFile:
+    """Once per process and file version: a start asks three times (which loader, the tied head, the weights)."""
     return GgufFile._parse(path, index)
 
 

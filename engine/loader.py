@@ -83,7 +83,7 @@ def resolve_checkpoint(model: str | None, cache_dir: Path) -> tuple[Path, str]:
     gguf_path = gguf_file_of(model)
     if gguf_path is not None:
         name = DEFAULT_MODEL_NAME if model is None else gguf_path.stem.split(".")[0]
-        if GgufFile.open(gguf_path, gguf_index_dir(cache_dir)).is_native:
+        if open_gguf(gguf_path, cache_dir).is_native:
             return gguf_metadata(gguf_path, cache_dir), name
         return dequantized_checkpoint(gguf_path, cache_dir), name
     path = Path(model).expanduser()
@@ -104,9 +104,10 @@ def gguf_file_of(model: str | None) -> Path | None:
     return path if path.is_file() and path.suffix == ".gguf" else None
 
 
-def gguf_index_dir(cache_dir: Path) -> Path:
-    """Where GgufFile keeps the tensor lists of the GGUF files it has parsed (a few KB each)."""
-    return cache_dir / "gguf-index"
+def open_gguf(gguf_path: Path, cache_dir: Path) -> GgufFile:
+    """The file's header, its tensor list kept in the cache beside its metadata (a few KB, read in a millisecond)."""
+    index = _cache_folder(gguf_path, cache_dir, "gguf-index")
+    return GgufFile.open(gguf_path, index.with_name(index.name + ".json"))
 
 
 def _cache_folder(gguf_path: Path, cache_dir: Path, kind: str) -> Path:
@@ -128,7 +129,7 @@ def gguf_metadata(gguf_path: Path, cache_dir: Path) -> Path:
         with _gguf_read_once():
             hf_config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        hf_config.tie_word_embeddings = not GgufFile.open(gguf_path, gguf_index_dir(cache_dir)).has_output_head
+        hf_config.tie_word_embeddings = not open_gguf(gguf_path, cache_dir).has_output_head
         if hasattr(hf_config, "quantization_config"):
             del hf_config.quantization_config  # Tern serves the blocks itself; transformers must not claim them
         hf_config.save_pretrained(tmp)
@@ -209,10 +210,6 @@ def choose_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-# Quantizations whose CPU layers are Tern's int8/int4 kernels: `auto` resolves to one of them on a CPU.
-KERNEL_QUANTIZATIONS = ("auto", "int8", "int4")
-
-
 def choose_dtype(dtype: str, device: torch.device, quantization: str = "none", kernel_path: str = "off") -> torch.dtype:
     """`auto`: on CUDA bf16 (fp16 without it); on a CPU float32 where Tern's int8/int4 kernels serve the weights,
     else bf16 where the CPU computes it natively (AVX512-BF16), else float32.
@@ -225,7 +222,7 @@ def choose_dtype(dtype: str, device: torch.device, quantization: str = "none", k
         return getattr(torch, dtype)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if quantization in KERNEL_QUANTIZATIONS and kernel_path != "off":
+    if quantization in quant.KERNEL_MODES and kernel_path != "off":
         return torch.float32
     return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
 
@@ -245,7 +242,7 @@ def load(config: EngineConfig) -> LoadedModel:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     is_native = hf_config.model_type in NATIVE_MODEL_TYPES
     # int8 and int4 quantize the checkpoint's own values, not their rounding to bf16. The rest is cast to dtype after.
-    quantizes_here = device.type == "cpu" and config.quantization in ("auto", "int8", "int4")
+    quantizes_here = device.type == "cpu" and config.quantization in quant.KERNEL_MODES
     build_dtype = torch.float32 if quantizes_here else dtype
     source = _weight_source(config.model, folder, cache_dir, is_native, quantizes_here)
     if source is not None:  # read tensor by tensor into the layers that serve them
@@ -276,7 +273,7 @@ def _weight_source(model: str | None, folder: Path, cache_dir: Path, is_native: 
         return None
     gguf_path = gguf_file_of(model)
     if gguf_path is not None:
-        return GgufFile.open(gguf_path, gguf_index_dir(cache_dir))
+        return open_gguf(gguf_path, cache_dir)
     if quantizes_here and any(folder.glob("*.safetensors")):
         return SafetensorsFolder(folder)
     return None

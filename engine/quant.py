@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 BNB_MODES = {"bnb-int8": "int8", "bnb-nf4": "nf4", "bnb-fp4": "fp4"}
 MODES = tuple(mode for mode in QUANTIZATIONS if mode != "auto")  # what `auto` resolves to is one of these
+KERNEL_MODES = ("auto", "int8", "int4")  # modes whose layers on a CPU are Tern's int8/int4 (quantized from fp32 values)
 BNB_INT8_THRESHOLD = 6.0  # transformers' BitsAndBytesConfig default (llm_int8_threshold)
 INT4_GROUP = layouts.INT4_GROUP_COLS
 

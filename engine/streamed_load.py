@@ -29,19 +29,17 @@ from engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
-QUANTIZED_HERE = ("auto", "int4", "int8")  # modes whose layers this module builds itself on a CPU
-
-
 def build_model(source, hf_config, mode: str, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """The model with every weight read from `source`. In QUANTIZED_HERE modes on CPU its linear layers are already
+    """The model with every weight read from `source`. In quant.KERNEL_MODES on a CPU its linear layers are already
     Int4Linear/Int8Linear (quant.pack_for_cpu packs them next); otherwise they are nn.Linear in `dtype`."""
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config)
-    unknown = [name for name in source.names() if name not in model.state_dict() and "rotary_emb" not in name]
+    places = set(model.state_dict())
+    unknown = [name for name in source.names() if name not in places and "rotary_emb" not in name]
     if unknown:  # before any weight is read
         raise ModelLoadError(f"{source.path}: tensors a {hf_config.model_type} model has no place for: {unknown[:5]}")
     model.fuse_projections()
-    quantized = mode in QUANTIZED_HERE and device.type == "cpu"
+    quantized = mode in quant.KERNEL_MODES and device.type == "cpu"
     builder = _LayerBuilder(source, hf_config, mode if quantized else "none", dtype)
     for index, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{index}."
@@ -72,7 +70,6 @@ class _LayerBuilder:
         self.tied = getattr(hf_config, "tie_word_embeddings", False) or "lm_head.weight" not in source
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = hf_config.num_key_value_heads
-        self.used: set[str] = set()
         self.served: Counter = Counter()  # (GGUF type, what serves it) -> tensors
 
     def summary(self) -> str:
@@ -81,7 +78,6 @@ class _LayerBuilder:
     def _take(self, name: str) -> str:
         if name not in self.source:
             raise ModelLoadError(f"{self.source.path}: the file has no tensor for {name}")
-        self.used.add(name)
         return self.source.type_name(name)
 
     def _heads(self, name: str) -> int | None:
@@ -92,10 +88,12 @@ class _LayerBuilder:
             return self.num_kv_heads
         return None
 
-    def _is_4bit(self, name: str) -> bool:
+    def _fits_int4(self, name: str) -> bool:
         rows, cols = self.source.shape(name)
-        return (self.source.is_4bit(name) and rows % layouts.INT4_GROUP_ROWS == 0
-                and cols % layouts.INT4_GROUP_COLS == 0)
+        return rows % layouts.INT4_GROUP_ROWS == 0 and cols % layouts.INT4_GROUP_COLS == 0
+
+    def _is_4bit(self, name: str) -> bool:
+        return self.source.is_4bit(name) and self._fits_int4(name)
 
     def _int4(self, name: str) -> torch.Tensor:
         """Tern's int4 layout straight from the source's 4-bit blocks."""
@@ -133,18 +131,11 @@ class _LayerBuilder:
         bias = self._bias(names)
         if self.mode in ("auto", "int4") and all(self._is_4bit(n) for n in names):
             return Int4Linear(torch.cat([self._int4(n) for n in names]), bias)
-        if (self.mode == "int4" and int4_from_float
-                and all(self.source.shape(n)[1] % layouts.INT4_GROUP_COLS == 0 for n in names)):
-            packed = []
-            for name, type_name in zip(names, types):
-                weight = self._float(name)
-                if weight.shape[0] % layouts.INT4_GROUP_ROWS:
-                    break
-                packed.append(layouts.pack_int4(*quant.quantize_int4(weight)))
+        if self.mode == "int4" and int4_from_float and all(self._fits_int4(n) for n in names):
+            for type_name in types:
                 self.served[(type_name, "int4 (re-quantized)")] += 1
-            else:
-                return Int4Linear(torch.cat(packed), bias)
-        if self.mode in ("auto", "int4", "int8"):
+            return Int4Linear(torch.cat([layouts.pack_int4(*quant.quantize_int4(self._float(n))) for n in names]), bias)
+        if self.mode != "none":
             rows, scales = [], []
             for name, type_name in zip(names, types):
                 weight_int8, row_scales = self._int8(name)
@@ -168,9 +159,10 @@ class _LayerBuilder:
         if self.mode == "none":
             weight = nn.Parameter(self._float(embedding_name).to(self.dtype), requires_grad=False)
             model.model.embed_tokens.weight = weight
-            model.lm_head = self.linear(["lm_head"]) if not tied else model.lm_head
             if tied:
                 model.lm_head.weight = weight
+            else:
+                model.lm_head = self.linear(["lm_head"])
             self.served[(self.source.type_name(embedding_name), "embedding")] += 1
             return
         if self._is_4bit(embedding_name) and self.mode in ("auto", "int4"):

@@ -8,6 +8,7 @@
 // (decode) the AVX2 kernel is compute-bound at ~18 GB/s of weights on a 1B model's layers where this one reads
 // ~25 GB/s (one large matrix: 26-27 GB/s, the VM's streaming read). The float steps per group (acc += dot * (d * x_scale),
 // then acc += m * (x_scale * sum)) are unchanged, so both kernels give the same bits.
+#include "avx512.h"
 #include "kernels.h"
 
 #include <immintrin.h>
@@ -32,13 +33,6 @@ inline __m512 two_fp16_rows(const uint8_t* a, const uint8_t* b) {
   const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
   const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
   return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
-}
-
-// Round to nearest even, as torch's float -> bfloat16 conversion does (finite values).
-inline __m256i to_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16));
 }
 
 // out[m, rows n0..n0+15] for MB activation rows against groups wa (rows n0..n0+7) and wb (n0+8..n0+15).
@@ -79,11 +73,7 @@ inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa, const
       acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(minimum, _mm512_set1_ps(x_scale * static_cast<float>(q.sums[block]))));
     }
   }
-  for (int m = 0; m < MB; ++m) {
-    const int64_t index = (m0 + m) * p.N + n0;
-    if (p.out_bf16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p.out) + index), to_bf16(acc[m]));
-    else _mm512_storeu_ps(static_cast<float*>(p.out) + index, acc[m]);
-  }
+  for (int m = 0; m < MB; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, acc[m], p.out_bf16);
 }
 
 }  // namespace

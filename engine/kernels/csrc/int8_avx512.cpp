@@ -14,6 +14,7 @@
 // little more than its vpdpbusds, and a thread reads its weights as one sequential stream.
 // vpdpbusd multiplies unsigned by signed bytes: the packed weight holds w + 128 as uint8, and each block's
 // accumulator starts at -128 * sum(xq over the block), which cancels the offset exactly.
+#include "avx512.h"
 #include "kernels.h"
 
 #include <immintrin.h>
@@ -30,13 +31,6 @@ inline __m512 load_floats(const void* base, int64_t index, bool bf16) {
   if (!bf16) return _mm512_loadu_ps(static_cast<const float*>(base) + index);
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// Round to nearest even, as torch's float -> bfloat16 conversion does (finite values).
-inline __m256i to_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16));
 }
 
 // out[m, 16 rows of group] for MB activation rows against one packed group. Each block's dot product is an
@@ -67,12 +61,7 @@ inline void group_rows(const Int8Problem& p, int64_t m0, const uint8_t* w, __m51
       acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m]),
                                                    _mm512_set1_ps(q.scales[(m0 + m) * q.blocks + b])));
   }
-  for (int m = 0; m < MB; ++m) {
-    const __m512 y = _mm512_mul_ps(acc[m], w_scale);
-    const int64_t index = (m0 + m) * p.N + n0;
-    if (p.out_bf16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p.out) + index), to_bf16(y));
-    else _mm512_storeu_ps(static_cast<float*>(p.out) + index, y);
-  }
+  for (int m = 0; m < MB; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, _mm512_mul_ps(acc[m], w_scale), p.out_bf16);
 }
 
 }  // namespace
