@@ -373,7 +373,8 @@ class Engine:
     def _context_limit(self, hf_config) -> int:
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048
         window = getattr(hf_config, "sliding_window", None)
-        if window and getattr(hf_config, "use_sliding_window", True):
+        applies_window = self.loaded.is_native and self.loaded.model.applies_sliding_window
+        if window and getattr(hf_config, "use_sliding_window", True) and not applies_window:
             limit = min(limit, window)  # attention here is full: stay inside the window the model was trained on
         return min(self.config.max_model_len or limit, limit)
 

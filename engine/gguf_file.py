@@ -20,10 +20,15 @@ from gguf import GGMLQuantizationType as T
 
 from engine.errors import ModelLoadError
 from engine.gguf_blocks import GGUF_TYPES, dequantize, supported_names
-from engine.models.llama import NATIVE_MODEL_TYPES
+from engine.models import NATIVE_MODELS
 
 # llama.cpp's converter reorders the rows of q and k for these (its RoPE pairs neighbours, HF's pairs halves).
 PERMUTED_QK_ARCHITECTURES = ("llama",)
+# ... and stores Gemma's RMSNorm weights plus one (its kernel multiplies by the weight; Gemma's norm by 1 + weight):
+# transformers subtracts the one again when it reads these files (Gemma2TensorProcessor), and so does Tern.
+NORM_PLUS_ONE_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+# GGUF architecture -> config.model_type where transformers names them differently (the rest are the same).
+MODEL_TYPES = {"gemma3": "gemma3_text"}
 # Tensors a GGUF may hold that these models do not use (long-context RoPE factors are in the config, too).
 IGNORED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -41,15 +46,27 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where an architecture's tensors differ (gguf-py's tensor map): Gemma 2 and 3 have a norm on each side of
+# attention and of the MLP, so `ffn_norm` is the pre-MLP one; Phi-3 keeps q/k/v and gate/up fused.
+_SANDWICH_NAMES = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCHITECTURE_BLOCK_NAMES = {
+    "gemma2": _SANDWICH_NAMES,
+    "gemma3": _SANDWICH_NAMES,
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, architecture: str | None = None) -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for a name the models do not know."""
     stem, _, kind = gguf_name.rpartition(".")
     if stem.startswith("blk."):
         _, index, part = stem.split(".", 2)
-        mapped = _BLOCK_NAMES.get(part)
+        mapped = _ARCHITECTURE_BLOCK_NAMES.get(architecture, {}).get(part) or _BLOCK_NAMES.get(part)
         return None if mapped is None else f"model.layers.{index}.{mapped}.{kind}"
     mapped = _TOP_NAMES.get(stem)
     return None if mapped is None else f"{mapped}.{kind}"
@@ -96,13 +113,18 @@ class GgufFile:
                                      f"cannot serve (it serves {supported_names()})")
             if tensor.name in IGNORED_TENSORS:
                 continue
-            tensors[hf_name(tensor.name) or tensor.name] = tensor
+            tensors[hf_name(tensor.name, architecture) or tensor.name] = tensor
         return cls(path, architecture, tensors)
 
     @property
     def is_native(self) -> bool:
         """Whether Tern has a native model for this file's architecture (else transformers' generic one serves)."""
-        return self.architecture in NATIVE_MODEL_TYPES  # GGUF names these architectures as transformers does
+        return self.model_type in NATIVE_MODELS
+
+    @property
+    def model_type(self) -> str | None:
+        """The config.model_type transformers gives this file's architecture."""
+        return MODEL_TYPES.get(self.architecture, self.architecture)
 
     @property
     def has_output_head(self) -> bool:
@@ -149,7 +171,10 @@ class GgufFile:
         """The tensor de-quantized to float32 with `gguf`'s reference, rows in transformers' order."""
         tensor = self._tensors[name]
         raw = self.raw(name, num_heads)
-        return dequantize(raw.numpy(), tensor.tensor_type, self.shape(name))
+        values = dequantize(raw.numpy(), tensor.tensor_type, self.shape(name))
+        if self.architecture in NORM_PLUS_ONE_ARCHITECTURES and name.endswith("norm.weight"):
+            values = values - 1
+        return values
 
     def float_rows(self, name: str, num_heads: int | None = None, rows: int = 4096):
         """The matrix de-quantized `rows` rows at a time (float32 [<= rows, columns] each): an 8B model's 128k-row

@@ -24,7 +24,7 @@ from engine.config import EngineConfig, default_cache_dir
 from engine.errors import ModelLoadError
 from engine.gguf_file import GgufFile
 from engine.safetensors_folder import SafetensorsFolder
-from engine.models.llama import NATIVE_MODEL_TYPES, LlamaForCausalLM
+from engine.models import NATIVE_MODELS
 
 logger = logging.getLogger(__name__)
 
@@ -240,7 +240,10 @@ def load(config: EngineConfig) -> LoadedModel:
     folder, name = resolve_checkpoint(config.model, cache_dir)
     hf_config = AutoConfig.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    is_native = hf_config.model_type in NATIVE_MODEL_TYPES
+    is_native = hf_config.model_type in NATIVE_MODELS
+    if not is_native:
+        logger.warning("model_type %r has no native implementation (native: %s); every step recomputes the whole "
+                       "sequence through transformers (slow)", hf_config.model_type, ", ".join(sorted(NATIVE_MODELS)))
     # int8 and int4 quantize the checkpoint's own values, not their rounding to bf16. The rest is cast to dtype after.
     quantizes_here = device.type == "cpu" and config.quantization in quant.KERNEL_MODES
     build_dtype = torch.float32 if quantizes_here else dtype
@@ -279,10 +282,10 @@ def _weight_source(model: str | None, folder: Path, cache_dir: Path, is_native: 
     return None
 
 
-def build_native(hf_config, state_dict: dict[str, torch.Tensor], dtype, device) -> LlamaForCausalLM:
+def build_native(hf_config, state_dict: dict[str, torch.Tensor], dtype, device) -> torch.nn.Module:
     """Build the native model on the meta device and assign the given weights (no random init, no copy)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config)
+        model = NATIVE_MODELS[hf_config.model_type](hf_config)
     state_dict = {k.removeprefix("module."): v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
     tied = getattr(hf_config, "tie_word_embeddings", False)
     if tied:  # checkpoints store a tied matrix under either name
@@ -324,7 +327,7 @@ def _untied_state_dict(model) -> dict[str, torch.Tensor]:
     return {name: tensor.contiguous() for name, tensor in state_dict.items()}
 
 
-def _load_native(folder: Path, hf_config, dtype, device) -> LlamaForCausalLM:
+def _load_native(folder: Path, hf_config, dtype, device) -> torch.nn.Module:
     return build_native(hf_config, read_state_dict(folder), dtype, device)
 
 

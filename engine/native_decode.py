@@ -20,8 +20,8 @@ from engine.models.llama import LlamaForCausalLM
 
 def unsupported_reason(model, kv_cache: KVCache, kernels: CpuKernels, dtype: torch.dtype) -> str | None:
     """None when the native step can serve this model's decode steps here, else why not (one line)."""
-    if not isinstance(model, LlamaForCausalLM):
-        return "the generic transformers path has no native decode step"
+    if type(model) is not LlamaForCausalLM:  # subclasses (Phi-3) change what a layer computes
+        return f"it serves the Llama family only ({type(model).__name__} here)"
     if kernels.path == "off" or kernels.decode_attention is None:
         return f"the CPU kernel path is {kernels.path}"
     if dtype != torch.float32:

@@ -25,15 +25,18 @@ from engine import quant
 from engine.errors import ModelLoadError
 from engine.kernels import layouts
 from engine.layers import Int4Embedding, Int4Linear, Int8Embedding, Int8Linear
-from engine.models.llama import LlamaForCausalLM
+from engine.models import NATIVE_MODELS
 
 logger = logging.getLogger(__name__)
 
-def build_model(source, hf_config, mode: str, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """The model with every weight read from `source`. In quant.KERNEL_MODES on a CPU its linear layers are already
-    Int4Linear/Int8Linear (quant.pack_for_cpu packs them next); otherwise they are nn.Linear in `dtype`."""
+
+def build_model(source, hf_config, mode: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The native model for hf_config.model_type with every weight read from `source`. In quant.KERNEL_MODES on a
+    CPU its linear layers are already Int4Linear/Int8Linear (quant.pack_for_cpu packs them next); otherwise they are
+    nn.Linear in `dtype`. Every layer the model has is built from the tensors of its name, or of the checkpoint
+    layers it fuses (the model's fused_from: qkv_proj from q_proj, k_proj and v_proj)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config)
+        model = NATIVE_MODELS[hf_config.model_type](hf_config)
     places = set(model.state_dict())
     unknown = [name for name in source.names() if name not in places and "rotary_emb" not in name]
     if unknown:  # before any weight is read
@@ -41,19 +44,16 @@ def build_model(source, hf_config, mode: str, dtype: torch.dtype, device: torch.
     model.fuse_projections()
     quantized = mode in quant.KERNEL_MODES and device.type == "cpu"
     builder = _LayerBuilder(source, hf_config, mode if quantized else "none", dtype)
-    for index, layer in enumerate(model.model.layers):
-        prefix = f"model.layers.{index}."
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = builder.linear([prefix + f"self_attn.{p}_proj" for p in "qkv"])
-        attn.o_proj = builder.linear([prefix + "self_attn.o_proj"])
-        mlp.gate_up_proj = builder.linear([prefix + "mlp.gate_proj", prefix + "mlp.up_proj"])
-        mlp.down_proj = builder.linear([prefix + "mlp.down_proj"])
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            getattr(layer, norm).weight = builder.parameter(prefix + norm + ".weight")
-        if attn.has_qk_norm:
-            attn.q_norm.weight = builder.parameter(prefix + "self_attn.q_norm.weight")
-            attn.k_norm.weight = builder.parameter(prefix + "self_attn.k_norm.weight")
-    model.model.norm.weight = builder.parameter("model.norm.weight")
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and name != "lm_head":
+            parent, _, child = name.rpartition(".")
+            parts = [f"{parent}.{part}" for part in model.fused_from.get(child, (child,))]
+            setattr(model.get_submodule(parent), child, builder.linear(parts))
+    head_and_embedding = ("model.embed_tokens.weight", "lm_head.weight")
+    for name, param in list(model.named_parameters()):
+        if param.is_meta and name not in head_and_embedding:  # the norms
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, builder.parameter(name))
     builder.embedding_and_head(model)
     logger.info("%s: %s", source.path.name, builder.summary())
     return model.to(device)
@@ -152,7 +152,7 @@ class _LayerBuilder:
             linear.bias = nn.Parameter(bias, requires_grad=False)
         return linear
 
-    def embedding_and_head(self, model: LlamaForCausalLM) -> None:
+    def embedding_and_head(self, model: nn.Module) -> None:
         """The token embedding, and the lm_head: tied to it (one matrix) when the file has no `output` tensor."""
         embedding_name, tied = "model.embed_tokens.weight", self.tied
         self._take(embedding_name)

@@ -16,6 +16,7 @@ import torch
 
 from engine import Engine, EngineConfig, kernels
 from engine.loader import LoadedModel, build_native, default_cache_dir, default_gguf_path, dequantized_checkpoint
+from engine.models import NATIVE_MODELS
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
@@ -84,7 +85,7 @@ def build_tiny(hf_config, tokenizer, seed: int = 0, device: str = "cpu", dtype: 
         for name, param in hf_model.named_parameters():
             if name.endswith("norm.weight"):
                 param.add_(0.1 * torch.randn_like(param))
-    native = hf_config.model_type in ("llama", "mistral", "qwen2", "qwen3")
+    native = hf_config.model_type in NATIVE_MODELS
     if native:
         model = build_native(hf_config, dict(hf_model.state_dict()), dtype, device)
         hf_model = hf_model.to(device=device, dtype=dtype)

@@ -12,7 +12,9 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.models.attention import AttentionMetadata, paged_attention
 
-NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # the config.model_type values LlamaForCausalLM serves
+# Served layers built from several checkpoint tensors (fuse_projections; engine/streamed_load.py): by module name.
+FUSED_FROM = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 class RMSNorm(nn.Module):
@@ -26,6 +28,14 @@ class RMSNorm(nn.Module):
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+def rope_tables(rotary: nn.Module, max_len: int, device, dtype, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_len, rotary dims] of every position, from a transformers rotary embedding (its own
+    rope_type variants); kwargs go to its forward (Gemma 3's layer_type)."""
+    positions = torch.arange(max_len, device=device)[None]
+    cos, sin = rotary.to(device)(torch.empty(0, device=device, dtype=dtype), positions, **kwargs)
+    return cos[0], sin[0]
 
 
 def _fused_linear(*parts: nn.Linear) -> nn.Linear:
@@ -46,9 +56,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, D]."""
+    """x: [T, heads, D]; cos/sin: [T, R]. R < D (Phi-3's partial_rotary_factor): the first R dims rotate, the
+    rest pass through, as transformers does."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat([rotated * cos + _rotate_half(rotated) * sin, passed], dim=-1)
 
 
 class Attention(nn.Module):
@@ -77,6 +92,11 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        q, k, v = self.project(x, cos, sin)
+        return self.o_proj(paged_attention(q, k, v, kv[0], kv[1], meta, self.scale))
+
+    def project(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values [T, heads, D] of x, normed (Qwen3) and rotated."""
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if hasattr(self, "qkv_proj"):
@@ -88,19 +108,17 @@ class Attention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
-        return self.o_proj(out)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 class MLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, hidden_act: str | None = None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = ACT2FN[hidden_act or config.hidden_act]
 
     def fuse(self) -> None:
         self.gate_up_proj = _fused_linear(self.gate_proj, self.up_proj)
@@ -138,6 +156,11 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """forward() takes flattened tokens of a whole batch and returns their final hidden states."""
 
+    fused_from = FUSED_FROM
+    # Softmax of q.k * scale over the whole context: what Tern's CPU decode-attention kernel computes.
+    has_plain_attention = True
+    applies_sliding_window = False  # Mistral's window: the engine keeps contexts within it instead
+
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
@@ -158,10 +181,7 @@ class LlamaForCausalLM(nn.Module):
 
     def build_rope_tables(self, max_len: int, device, dtype) -> None:
         """Precompute cos/sin for every position once, with transformers' own RoPE (all rope_type variants)."""
-        rotary = LlamaRotaryEmbedding(self.config).to(device)
-        positions = torch.arange(max_len, device=device)[None]
-        cos, sin = rotary(torch.empty(0, device=device, dtype=dtype), positions)
-        self.rope_cos, self.rope_sin = cos[0], sin[0]
+        self.rope_cos, self.rope_sin = rope_tables(LlamaRotaryEmbedding(self.config), max_len, device, dtype)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
