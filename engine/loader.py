@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from engine import kernels, quant, streamed_load
+from engine import gguf_config, kernels, quant, streamed_load
 from engine.config import EngineConfig, default_cache_dir
 from engine.errors import ModelLoadError
 from engine.gguf_file import GgufFile
@@ -129,6 +129,7 @@ def gguf_metadata(gguf_path: Path, cache_dir: Path) -> Path:
         with _gguf_read_once():
             hf_config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            gguf_config.complete_config(hf_config, gguf_path)
         hf_config.tie_word_embeddings = not open_gguf(gguf_path, cache_dir).has_output_head
         if hasattr(hf_config, "quantization_config"):
             del hf_config.quantization_config  # Tern serves the blocks itself; transformers must not claim them

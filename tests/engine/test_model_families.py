@@ -133,8 +133,9 @@ GGUF_ARCHITECTURES = {"gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3
 
 
 def write_gguf(hf_model, path: Path) -> Path:
-    """The model's float32 tensors under gguf-py's names for its architecture, Gemma's norms stored as 1 + weight
-    (llama.cpp's kernels multiply by the weight), with the metadata keys transformers reads back."""
+    """The model's float32 tensors under gguf-py's names, Gemma's norms stored as 1 + weight (llama.cpp's kernels
+    multiply by the weight), and the metadata llama.cpp's converter writes for the family (convert_hf_to_gguf.py:
+    Gemma2Model, Gemma3Model, Phi3MiniModel), longrope factors as the tensors rope_factors_long/short."""
     config = hf_model.config
     architecture = GGUF_ARCHITECTURES[config.model_type]
     writer = gguf.GGUFWriter(path, architecture)
@@ -146,14 +147,24 @@ def write_gguf(hf_model, path: Path) -> Path:
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
     rope = config.rope_parameters.get(FULL, config.rope_parameters)
     writer.add_rope_freq_base(rope["rope_theta"])
-    if getattr(config, "sliding_window", None):
+    if architecture == "phi3":
+        head_dim = config.hidden_size // config.num_attention_heads
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+        writer.add_sliding_window(config.sliding_window or 0)
+    else:
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
         writer.add_sliding_window(config.sliding_window)
+        if config.final_logit_softcapping:
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        if architecture == "gemma2":
+            writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        elif rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
     arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == architecture)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     state_dict = hf_model.state_dict()
@@ -164,6 +175,9 @@ def write_gguf(hf_model, path: Path) -> Path:
         if architecture.startswith("gemma") and name.endswith("norm.weight"):
             values = values + 1
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), np.ascontiguousarray(values))
+    if rope.get("rope_type") == "longrope":
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -171,28 +185,30 @@ def write_gguf(hf_model, path: Path) -> Path:
     return path
 
 
-# What a GGUF's metadata can say (transformers' GGUF config reads no layer types, soft-caps or Phi-3 window): Gemma 3
-# as its converter leaves it, five sliding layers to one global.
+# Shapes whose every setting a GGUF carries: Gemma 3 with the converter's layout (five sliding layers to one global,
+# local RoPE base 10,000, query_pre_attn_scalar = head_dim) and linearly scaled global RoPE, as Gemma 3 4B has.
 GGUF_FAMILIES = {
-    "gemma2": FAMILIES["gemma2"],
-    "gemma3": ("gemma3_text", dict(head_dim=16, sliding_window=8, num_hidden_layers=6, tie_word_embeddings=True)),
-    "phi3": FAMILIES["phi3-mini"],
+    "gemma2": ("gemma2", dict(FAMILIES["gemma2"][1], query_pre_attn_scalar=16)),
+    "gemma3": ("gemma3_text", dict(head_dim=16, sliding_window=8, num_hidden_layers=6, query_pre_attn_scalar=16,
+                                   final_logit_softcapping=1.0, tie_word_embeddings=True,
+                                   rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": 1e4},
+                                                    FULL: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e3}})),
+    "phi3-mini": FAMILIES["phi3-mini"],
+    "phi4-mini": FAMILIES["phi4-mini"],
 }
 
 
 @pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
-def test_a_gguf_of_each_family_answers_as_transformers_does_on_the_same_file(family, default_tokenizer, tmp_path):
-    """The config, the tensor names and Gemma's norm convention all come from the file: Tern's answers equal those
-    of transformers loading the same file."""
-    from transformers import AutoModelForCausalLM
-
+def test_a_gguf_of_each_family_answers_as_the_checkpoint_it_was_converted_from(family, default_tokenizer, tmp_path):
+    """Tensor names, Gemma's norm convention and every setting come from the file (transformers' own GGUF reader
+    drops soft-caps, windows, rotary dimensions and RoPE scaling: engine/gguf_config.py reads them): Tern's answers
+    from the GGUF equal transformers' on the original checkpoint."""
     hf_model, _ = make_checkpoint(family, default_tokenizer, tmp_path / "folder", GGUF_FAMILIES)
     path = write_gguf(hf_model, tmp_path / f"{family}.gguf")
-    from_file = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     engine = Engine(EngineConfig(model=str(path), quantization="none", dtype="float32",
                                  cache_dir=str(tmp_path / "cache"))).start()
     try:
         assert engine.loaded.is_native
-        assert_answers_as_transformers(engine, from_file)
+        assert_answers_as_transformers(engine, hf_model)
     finally:
         engine.stop()
