@@ -7,10 +7,13 @@ package's reference de-quantizers read them; the tests hold every repacking to t
 - `int4` (Tern's 4-bit layout, layouts.pack_int4: per 32 values of a row, w = d * q + m with fp16 d and m):
   Q4_0 (m = -8 d, exact), Q4_1 (exact), Q4_K (per sub-block of 32, d = super_d * scale and m = -super_dmin * min,
   both products rounded to fp16: the file computes them in fp32).
+- `q8` (Tern's 8-bit layout, layouts.pack_q8: per 32 values of a row, w = d * q with q int8 and fp16 d): Q8_0,
+  exact (the same block, its bytes reordered).
 - `dequantize`: read as float32 one tensor at a time with `gguf`'s own reference, then handled as a checkpoint's
-  float weight is (norms, biases; a linear layer gets the mode's quantization, per-row int8 under `auto`).
-  F32, F16, BF16 are exact this way; Q8_0, Q5_0, Q5_1, Q5_K and Q6_K lose their per-block scales when re-quantized
-  per row (an int8 kernel with per-block scales is what would keep them).
+  float weight is (norms, biases; a linear layer gets the mode's quantization: under `auto` and `int8` q8,
+  re-quantized per 32 values, quant.quantize_q8). F32, F16, BF16 are exact this way; Q5_0, Q5_1, Q5_K and Q6_K
+  (5 or 6 bits with finer or nested scales) round to the nearest of q8's 255 levels per 32 values: an error of
+  at most half a step of absmax / 127, a fraction of their own step.
 """
 from __future__ import annotations
 
@@ -24,13 +27,14 @@ from gguf import GGMLQuantizationType as T
 from engine.kernels import layouts
 
 Int4Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q uint8 [N, K] in 0..15, d fp16 [N, K/32], m fp16
+Q8Parts = tuple[torch.Tensor, torch.Tensor]  # q int8 [N, K], d fp16 [N, K/32]
 
 
 @dataclass(frozen=True)
 class GgufType:
-    layout: str  # "int4" or "dequantize"
-    to_int4: Callable[[torch.Tensor], torch.Tensor] | None = None  # uint8 [rows, bytes per row] -> pack_int4 layout
-    plain_int4: Callable[[torch.Tensor], Int4Parts] | None = None  # the same, as (q, d, m): the twin tests hold it to
+    layout: str  # "int4", "q8" or "dequantize"
+    repack: Callable[[torch.Tensor], torch.Tensor] | None = None  # uint8 [rows, bytes per row] -> the layout's bytes
+    plain: Callable[[torch.Tensor], tuple] | None = None  # the same as the layout's parts: the twin tests hold it to
 
 
 def _split(blocks: torch.Tensor, block_bytes: int) -> torch.Tensor:
@@ -153,6 +157,16 @@ def q4_k_packed(blocks: torch.Tensor) -> torch.Tensor:
     return _pack_words(words.reshape(rows, supers * 8, 4), scale, minimum)
 
 
+def q8_0_to_q8(blocks: torch.Tensor) -> Q8Parts:
+    """Q8_0: 34 bytes per 32 values, fp16 d then 32 int8 q; w = d * q: Tern's q8 as it is."""
+    b = _split(blocks, 34)
+    return b[..., 2:34].contiguous().view(torch.int8).reshape(blocks.shape[0], -1), _fp16(b[..., 0:2])
+
+
+def q8_0_packed(blocks: torch.Tensor) -> torch.Tensor:
+    return layouts.pack_q8(*q8_0_to_q8(blocks))
+
+
 GGUF_TYPES: dict[T, GgufType] = {
     T.F32: GgufType("dequantize"),
     T.F16: GgufType("dequantize"),
@@ -162,7 +176,7 @@ GGUF_TYPES: dict[T, GgufType] = {
     T.Q4_K: GgufType("int4", q4_k_packed, q4_k_to_int4),
     T.Q5_0: GgufType("dequantize"),
     T.Q5_1: GgufType("dequantize"),
-    T.Q8_0: GgufType("dequantize"),
+    T.Q8_0: GgufType("q8", q8_0_packed, q8_0_to_q8),
     T.Q5_K: GgufType("dequantize"),
     T.Q6_K: GgufType("dequantize"),
 }

@@ -137,13 +137,14 @@ class GgufFile:
     def names(self) -> list[str]:
         return list(self._tensors)
 
-    def is_4bit(self, name: str) -> bool:
-        """Whether the file's blocks of this tensor go into Tern's int4 layout as they are."""
-        return GGUF_TYPES[self._tensors[name].tensor_type].layout == "int4"
+    def layout(self, name: str) -> str | None:
+        """The Tern layout the file's blocks of this tensor go into as they are ("int4", "q8"), or None."""
+        layout = GGUF_TYPES[self._tensors[name].tensor_type].layout
+        return None if layout == "dequantize" else layout
 
-    def int4(self, name: str, num_heads: int | None = None) -> torch.Tensor:
-        """A 4-bit tensor in layouts.pack_int4's layout, straight from its blocks."""
-        return GGUF_TYPES[self._tensors[name].tensor_type].to_int4(self.raw(name, num_heads))
+    def packed(self, name: str, num_heads: int | None = None) -> torch.Tensor:
+        """The tensor in its layout's bytes (layouts.pack_int4 or pack_q8), straight from its blocks."""
+        return GGUF_TYPES[self._tensors[name].tensor_type].repack(self.raw(name, num_heads))
 
     def type_name(self, name: str) -> str:
         return self._tensors[name].tensor_type.name

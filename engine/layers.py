@@ -135,6 +135,49 @@ class PackedInt4Linear(Int4Linear):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+class Q8Linear(nn.Module):
+    """int8 weights with one fp16 scale per 32 values of a row, w = d * q (GGUF's Q8_0), held in layouts.pack_q8's
+    layout. Its forward de-quantizes the whole matrix: the slow, plain twin of the q8 kernels, for tests."""
+
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 16 // 17
+        self.register_buffer("weight_packed", packed)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layouts.dequantize_q8(self.weight_packed).to(x.dtype), self.bias)
+
+
+class PackedQ8Linear(Q8Linear):
+    """Q8Linear multiplied by Tern's q8 kernel (activations quantized per 32 values)."""
+
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, matmul: Callable) -> None:
+        super().__init__(packed, bias)
+        self.matmul = matmul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matmul(x.reshape(-1, x.shape[-1]), self.weight_packed)
+        out = out if self.bias is None else out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class Q8Embedding(nn.Module):
+    """Row lookup in a q8 matrix (layouts.pack_q8's layout): a GGUF's Q8_0 token embedding, and the matrix a q8
+    lm_head is tied to."""
+
+    def __init__(self, weight_packed: torch.Tensor, padding_idx: int | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight_packed.shape[0], weight_packed.shape[1] * 16 // 17
+        self.padding_idx = padding_idx
+        self.register_buffer("weight_packed", weight_packed)
+        self.register_buffer("out_dtype", torch.empty(0, dtype=dtype), persistent=False)  # as Int4Embedding's
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return layouts.q8_rows(self.weight_packed, input_ids).to(self.out_dtype.dtype)
+
+
 class AtenInt4Linear(nn.Module):
     """Int4Linear for CPUs without Tern's kernel: aten's `_weight_int4pack_mm_for_cpu`, which wants w = (q - 8) *
     scale + zero with scale and zero in the activations' dtype; it runs in bf16 (in fp32 it is ~13x slower)."""

@@ -4,7 +4,7 @@ On a small CPU a decode step run from Python, even compiled, spends about as lon
 wrapper and the dispatcher as in its matmuls (the default model: ~4-5 of ~10 ms a token on 2 cores). The native
 step runs the layers with Tern's kernels in one call, so a token costs its matmuls and attention plus the
 embedding, the final norm and the lm_head. It serves Llama-family models whose linear layers are packed int8 or
-int4 weights, in float32 on a CPU with a kernel path; elsewhere `unsupported_reason` says why and torch.compile
+int4 or q8 weights, in float32 on a CPU with a kernel path; elsewhere `unsupported_reason` says why and torch.compile
 (or the eager model) serves. The eager model is its twin: the same steps, the tests hold it to the same tokens.
 """
 from __future__ import annotations
@@ -13,9 +13,12 @@ import torch
 
 from engine.kernels import CpuKernels
 from engine.kv_cache import KVCache
-from engine.layers import PackedInt4Linear, PackedInt8Linear
+from engine.layers import PackedInt4Linear, PackedInt8Linear, PackedQ8Linear
 from engine.models.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
+
+# The packed layers the step multiplies, by the number decode_step.h's WeightKind gives each.
+WEIGHT_KINDS = {PackedInt8Linear: 0, PackedInt4Linear: 1, PackedQ8Linear: 2}
 
 
 def unsupported_reason(model, kv_cache: KVCache, kernels: CpuKernels, dtype: torch.dtype) -> str | None:
@@ -33,8 +36,8 @@ def unsupported_reason(model, kv_cache: KVCache, kernels: CpuKernels, dtype: tor
         return f"its MLP is SiLU-gated only ({config.hidden_act!r} here)"
     for layer in model.model.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            if not isinstance(linear, (PackedInt8Linear, PackedInt4Linear)):
-                return f"its linear layers must be packed int8 or int4 weights ({type(linear).__name__} here)"
+            if type(linear) not in WEIGHT_KINDS:
+                return f"its linear layers must be packed int8, int4 or q8 weights ({type(linear).__name__} here)"
     return None
 
 
@@ -44,7 +47,7 @@ class NativeDecode:
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, kernels: CpuKernels) -> None:
         self.model = model
         empty = torch.empty(0)
-        tensors, int4 = [], []
+        tensors, kinds = [], []
         for layer, (k_cache, v_cache) in zip(model.model.layers, kv_cache.layers()):
             attn, mlp = layer.self_attn, layer.mlp
             tensors += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
@@ -53,15 +56,14 @@ class NativeDecode:
             else:
                 tensors += [empty, empty]
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                is_int4 = isinstance(linear, PackedInt4Linear)
-                scales = empty if is_int4 else linear.scales
+                scales = linear.scales if isinstance(linear, PackedInt8Linear) else empty
                 bias = empty if linear.bias is None else linear.bias.detach()
                 tensors += [linear.weight_packed, scales, bias]
-                int4.append(int(is_int4))
+                kinds.append(WEIGHT_KINDS[type(linear)])
             tensors += [k_cache, v_cache]
         attn = model.model.layers[0].self_attn
         self.step = torch.classes.tern.DecodeStep(kernels.path, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                                  float(model.model.layers[0].input_layernorm.eps), tensors, int4)
+                                                  float(model.model.layers[0].input_layernorm.eps), tensors, kinds)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_layers, meta: AttentionMetadata):
         [group] = meta.groups

@@ -41,11 +41,11 @@ class SafetensorsFolder:
         handle, key = self._files[name]
         return handle.get_slice(key).get_dtype()
 
-    def is_4bit(self, name: str) -> bool:
-        return False  # float checkpoints: `int4` quantizes them (quant.quantize_int4)
+    def layout(self, name: str) -> str | None:
+        return None  # float checkpoints: the mode quantizes them (engine/quant.py)
 
-    def int4(self, name: str, num_heads: int | None = None) -> torch.Tensor:
-        raise ValueError(f"{name} is not 4-bit in {self.path}")
+    def packed(self, name: str, num_heads: int | None = None) -> torch.Tensor:
+        raise ValueError(f"{name} is a float tensor in {self.path}")
 
     def float(self, name: str, num_heads: int | None = None) -> torch.Tensor:
         """float32, in memory of its own (not the file's mapping); rows already in transformers' order."""

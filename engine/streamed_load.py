@@ -1,17 +1,19 @@
 """Build the native model tensor by tensor from a weight source, each weight going straight to the layer that serves
 it: a GGUF file (engine/gguf_file.GgufFile) or a Hugging Face safetensors folder (engine/safetensors_folder.py).
 
-Under `auto`, `int4` and `int8` on a CPU the source's tensors decide: a tensor that is 4-bit already (a GGUF's
-Q4_0/Q4_1/Q4_K blocks, engine/gguf_blocks.GGUF_TYPES) becomes Tern's int4 layout without passing through float;
-the rest is read as float32 a few thousand rows at a time and quantized per row to int8 (`int8` does that to
-everything; `int4` also quantizes float tensors to 4-bit, as it does for any checkpoint). Fused projections (qkv,
-gate/up) keep 4-bit only when every part is 4-bit. Any other mode gets float weights here, one tensor at a time, and
-quant.quantize runs after, as for any checkpoint. Either way no whole-model float copy exists: peak memory is the
-served weights plus about one tensor in float32.
+Under `auto`, `int4` and `int8` on a CPU the source's tensors decide: a tensor held in one of Tern's layouts already
+(a GGUF's Q4_0/Q4_1/Q4_K blocks as int4, Q8_0 as q8: engine/gguf_blocks.GGUF_TYPES) goes into it without passing
+through float; the rest is read as float32 a few thousand rows at a time and quantized to q8 (int8 per 32 values,
+quant.quantize_q8). `auto` keeps each tensor's own width; `int8` makes everything q8 (4-bit blocks de-quantized
+first); `int4` also quantizes float tensors to 4-bit, as it does for any checkpoint. A fused projection (qkv,
+gate/up) keeps a layout only when every part has it. Any other mode gets float weights here, one tensor at a time,
+and quant.quantize runs after, as for any checkpoint. Either way no whole-model float copy exists: peak memory is
+the served weights plus about one tensor in float32.
 
-A source answers: path, names(), `in`, shape(name), type_name(name), is_4bit(name), int4(name, heads) (the tensor in
-layouts.pack_int4's layout), float(name, heads) and float_rows(name, heads); `heads` names how many heads a q or k matrix
-holds, for sources whose rows are stored in another order (llama.cpp's converter permutes them).
+A source answers: path, names(), `in`, shape(name), type_name(name), layout(name) ("int4", "q8" or None),
+packed(name, heads) (the tensor in that layout's bytes), float(name, heads) and float_rows(name, heads); `heads`
+names how many heads a q or k matrix holds, for sources whose rows are stored in another order (llama.cpp's
+converter permutes them).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from torch import nn
 from engine import quant
 from engine.errors import ModelLoadError
 from engine.kernels import layouts
-from engine.layers import Int4Embedding, Int4Linear, Int8Embedding, Int8Linear
+from engine.layers import Int4Embedding, Int4Linear, Int8Embedding, Int8Linear, Q8Embedding, Q8Linear
 from engine.models import NATIVE_MODELS
 
 logger = logging.getLogger(__name__)
@@ -88,23 +90,32 @@ class _LayerBuilder:
             return self.num_kv_heads
         return None
 
-    def _fits_int4(self, name: str) -> bool:
+    def _fits(self, name: str) -> bool:
+        """Whether the matrix fits the int4 and q8 layouts (rows in groups of 8, columns in blocks of 32)."""
         rows, cols = self.source.shape(name)
         return rows % layouts.INT4_GROUP_ROWS == 0 and cols % layouts.INT4_GROUP_COLS == 0
 
-    def _is_4bit(self, name: str) -> bool:
-        return self.source.is_4bit(name) and self._fits_int4(name)
+    def _held_as(self, name: str, layout: str) -> bool:
+        return self.source.layout(name) == layout and self._fits(name)
 
-    def _int4(self, name: str) -> torch.Tensor:
-        """Tern's int4 layout straight from the source's 4-bit blocks."""
-        self.served[(self.source.type_name(name), "int4")] += 1
-        return self.source.int4(name, self._heads(name))
+    def _packed(self, name: str) -> torch.Tensor:
+        """The tensor in the layout the source holds it in (int4 or q8), straight from its blocks."""
+        self.served[(self.source.type_name(name), self.source.layout(name))] += 1
+        return self.source.packed(name, self._heads(name))
 
     def _float(self, name: str) -> torch.Tensor:
         return self.source.float(name, self._heads(name))
 
+    def _q8(self, name: str) -> torch.Tensor:
+        """layouts.pack_q8's bytes: the source's own Q8_0 blocks, else quantized a few thousand rows at a time."""
+        if self._held_as(name, "q8"):
+            return self._packed(name)
+        self.served[(self.source.type_name(name), "q8")] += 1
+        return torch.cat([quant.pack_q8(rows) for rows in self.source.float_rows(name, self._heads(name))])
+
     def _int8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-row int8 (quant.quantize_int8), de-quantizing a few thousand rows at a time."""
+        """Per-row int8 (quant.quantize_int8) for a shape q8 cannot hold, de-quantizing a few thousand rows at a time."""
+        self.served[(self.source.type_name(name), "int8")] += 1
         parts = [quant.quantize_int8(rows, self.dtype) for rows in self.source.float_rows(name, self._heads(name))]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
@@ -129,20 +140,17 @@ class _LayerBuilder:
         names = [p + ".weight" for p in parts]
         types = [self._take(n) for n in names]
         bias = self._bias(names)
-        if self.mode in ("auto", "int4") and all(self._is_4bit(n) for n in names):
-            return Int4Linear(torch.cat([self._int4(n) for n in names]), bias)
-        if self.mode == "int4" and int4_from_float and all(self._fits_int4(n) for n in names):
+        if self.mode in ("auto", "int4") and all(self._held_as(n, "int4") for n in names):
+            return Int4Linear(torch.cat([self._packed(n) for n in names]), bias)
+        if self.mode == "int4" and int4_from_float and all(self._fits(n) for n in names):
             for type_name in types:
                 self.served[(type_name, "int4 (re-quantized)")] += 1
             return Int4Linear(torch.cat([layouts.pack_int4(*quant.quantize_int4(self._float(n))) for n in names]), bias)
+        if self.mode != "none" and all(self._fits(n) for n in names):
+            return Q8Linear(torch.cat([self._q8(n) for n in names]), bias)
         if self.mode != "none":
-            rows, scales = [], []
-            for name, type_name in zip(names, types):
-                weight_int8, row_scales = self._int8(name)
-                rows.append(weight_int8)
-                scales.append(row_scales)
-                self.served[(type_name, "int8")] += 1
-            return Int8Linear(torch.cat(rows), torch.cat(scales), bias)
+            parts = [self._int8(name) for name in names]
+            return Int8Linear(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), bias)
         weight = torch.cat([self._float(n) for n in names]).to(self.dtype)
         for type_name in types:
             self.served[(type_name, str(self.dtype).removeprefix("torch."))] += 1
@@ -165,14 +173,18 @@ class _LayerBuilder:
                 model.lm_head = self.linear(["lm_head"])
             self.served[(self.source.type_name(embedding_name), "embedding")] += 1
             return
-        if self._is_4bit(embedding_name) and self.mode in ("auto", "int4"):
-            packed = self._int4(embedding_name)
+        if self._held_as(embedding_name, "int4") and self.mode in ("auto", "int4"):
+            packed = self._packed(embedding_name)
             model.model.embed_tokens = Int4Embedding(packed)
             if tied:
                 model.lm_head = Int4Linear(packed, None)
+        elif self._fits(embedding_name):
+            packed = self._q8(embedding_name)
+            model.model.embed_tokens = Q8Embedding(packed)
+            if tied:
+                model.lm_head = Q8Linear(packed, None)
         else:
             weight_int8, scales = self._int8(embedding_name)
-            self.served[(self.source.type_name(embedding_name), "int8")] += 1
             model.model.embed_tokens = Int8Embedding(weight_int8, scales)
             if tied:
                 model.lm_head = Int8Linear(weight_int8, scales, None)

@@ -36,14 +36,14 @@ KERNEL_SOURCES = {
     "quantize_avx2.cpp": "avx2",
     "int8_avx2.cpp": "avx2",
     "int4_avx2.cpp": "avx2",
+    "q8_avx2.cpp": "avx2",
     "decode_attention_avx2.cpp": "avx2",
     "int8_avx512.cpp": "avx512",
     "int4_avx512.cpp": "avx512",
+    "q8_avx512.cpp": "avx512",
     "decode_attention_avx512.cpp": "avx512",
     "bf16_avx512.cpp": "avx512_bf16",
 }
-
-
 
 OPS_ISA = "avx2"  # ops.cpp (the torch bindings and the native decode step): every kernel path needs AVX2
 

@@ -48,6 +48,7 @@ class CpuKernels:
     int4_mm: Callable | None = None  # (x [M, K], layouts.pack_int4 weight) -> [M, N]
     bf16_mm: Callable | None = None  # (x [M, K] bf16, layouts.pack_bf16 weight) -> [M, N] bf16
     decode_attention: Callable | None = None  # (q, k_cache, v_cache, context_slots, context_lens, scale)
+    q8_mm: Callable | None = None  # (x [M, K], layouts.pack_q8 weight) -> [M, N]
 
     def describe(self) -> str:
         """E.g. `avx2 (int8: avx2, int4: avx2, bf16: aten, decode attention: avx2)`."""
@@ -58,12 +59,11 @@ def describe_path(path: str) -> str:
     """What serves each kind of work on `path` on this CPU, e.g. `avx2 (int8: avx2, int4: avx2, bf16: aten,
     decode attention: avx2)`; `aten` and `matmul` are torch's own ops."""
     if path == "off":
-        parts = {"int8": "aten", "int4": "aten", "bf16": "aten", "decode attention": "matmul"}
+        parts = {"int8": "aten", "int4": "aten", "q8": "aten", "bf16": "aten", "decode attention": "matmul"}
     else:
         bf16 = "avx512-bf16" if path == "avx512" and BF16_FLAG in cpu_flags() else "aten"
         vnni = "avx512-vnni" if path == "avx512" else "avx2"
-        parts = {"int8": vnni, "int4": vnni, "bf16": bf16,
-                 "decode attention": path}
+        parts = {"int8": vnni, "int4": vnni, "q8": vnni, "bf16": bf16, "decode attention": path}
     return f"{path} ({', '.join(f'{kind}: {impl}' for kind, impl in parts.items())})"
 
 
@@ -137,7 +137,7 @@ def kernels_for(path: str, cache_dir: Path, reason: str = "") -> CpuKernels:
     ops = torch.ops.tern
     bf16 = getattr(ops, "bf16_mm_avx512", None) if path == "avx512" and BF16_FLAG in cpu_flags() else None
     return CpuKernels(path, reason or "asked for", getattr(ops, f"int8_mm_{path}"), getattr(ops, f"int4_mm_{path}"), bf16,
-                      getattr(ops, f"decode_attention_{path}"))
+                      getattr(ops, f"decode_attention_{path}"), getattr(ops, f"q8_mm_{path}"))
 
 
 def prebuild(cache_dir: Path) -> None:
@@ -187,7 +187,8 @@ def _register_fakes() -> None:
     def attention_shape(q, k_cache, v_cache, context_slots, context_lens, scale):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
-    for names, shape in ((("int8_mm_avx2", "int8_mm_avx512", "int4_mm_avx2", "int4_mm_avx512", "bf16_mm_avx512"),
+    for names, shape in ((("int8_mm_avx2", "int8_mm_avx512", "int4_mm_avx2", "int4_mm_avx512", "q8_mm_avx2",
+                           "q8_mm_avx512", "bf16_mm_avx512"),
                           matmul_shape),
                          (("decode_attention_avx2", "decode_attention_avx512"), attention_shape)):
         for name in names:

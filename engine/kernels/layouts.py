@@ -6,6 +6,9 @@ Kernels read weights in the order they use them, so a thread streams one sequent
 - int4: per group of 8 rows and 32 columns, 160 bytes: 128 bytes of nibbles (register j of 32 bytes holds, for
   each row r at bytes 4r..4r+3, columns 8j..8j+3 in the low nibbles and 8j+4..8j+7 in the high ones), then the
   8 rows' fp16 scales d, then their fp16 minimums m. Shape uint8 [N, K * 5 / 8].
+- q8 (GGUF's Q8_0: w = d * q, q int8, one fp16 d per 32 values of a row): per group of 8 rows and 32 columns,
+  272 bytes: 256 bytes of q + 128 (register j of 32 bytes holds, for each row r at bytes 4r..4r+3, columns
+  4j..4j+3), then the 8 rows' fp16 scales d. Shape uint8 [N, K * 17 / 16].
 - bf16 (AVX512-BF16): each group of 4 rows stored 64-byte chunk by chunk, [N/4][K/32][4][32].
 """
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 
 INT8_GROUP_ROWS, INT8_QUAD = 16, 4
 INT4_GROUP_ROWS, INT4_GROUP_COLS = 8, 32
+Q8_GROUP_ROWS, Q8_GROUP_COLS = 8, 32
 BF16_GROUP_ROWS, CHUNK_BYTES = 4, 64
 
 
@@ -25,6 +29,11 @@ def can_pack_int8(weight: torch.Tensor) -> bool:
 def can_pack_int4(weight: torch.Tensor) -> bool:
     rows, cols = weight.shape
     return weight.device.type == "cpu" and rows % INT4_GROUP_ROWS == 0 and cols % INT4_GROUP_COLS == 0
+
+
+def can_pack_q8(weight: torch.Tensor) -> bool:
+    rows, cols = weight.shape
+    return weight.device.type == "cpu" and rows % Q8_GROUP_ROWS == 0 and cols % Q8_GROUP_COLS == 0
 
 
 def can_pack_bf16(weight: torch.Tensor) -> bool:
@@ -91,6 +100,45 @@ def int4_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     groups = packed.view(rows // INT4_GROUP_ROWS, INT4_GROUP_ROWS * packed_cols)[flat // INT4_GROUP_ROWS]
     values = dequantize_int4(groups.reshape(-1, packed_cols)).reshape(flat.numel(), INT4_GROUP_ROWS, -1)
     picked = values[torch.arange(flat.numel()), flat % INT4_GROUP_ROWS]
+    return picked.reshape(*ids.shape, -1)
+
+
+def pack_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """q int8 [N, K], d fp16 [N, K/32] (w = d * q) -> uint8 [N, K * 17 / 16]."""
+    rows, cols = q.shape
+    groups, blocks = rows // Q8_GROUP_ROWS, cols // Q8_GROUP_COLS
+    shifted = (q.to(torch.int16) + 128).to(torch.uint8)
+    # [group, row, block, register j, t] -> bytes [group, block, j, row, t]
+    values = shifted.reshape(groups, Q8_GROUP_ROWS, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 256)
+    scales = d.to(torch.float16).reshape(groups, Q8_GROUP_ROWS, blocks).transpose(1, 2).contiguous().view(torch.uint8)
+    return torch.cat([values, scales], dim=-1).reshape(rows, cols * 17 // 16)
+
+
+def unpack_q8(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `pack_q8`: (q int8 [N, K], d fp16 [N, K/32])."""
+    rows, cols = packed.shape[0], packed.shape[1] * 16 // 17
+    groups, blocks = rows // Q8_GROUP_ROWS, cols // Q8_GROUP_COLS
+    data = packed.reshape(groups, blocks, 272)
+    values = data[..., :256].reshape(groups, blocks, 8, Q8_GROUP_ROWS, 4).permute(0, 3, 1, 2, 4)
+    q = _unshift(values.reshape(rows, cols))
+    d = data[..., 256:].contiguous().view(torch.float16).transpose(1, 2).reshape(rows, blocks)
+    return q, d
+
+
+def dequantize_q8(packed: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K]: d * q, the weight a q8 matrix stands for."""
+    q, d = unpack_q8(packed)
+    rows, cols = q.shape
+    return (q.float().reshape(rows, -1, Q8_GROUP_COLS) * d.float().unsqueeze(-1)).reshape(rows, cols)
+
+
+def q8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a `pack_q8` matrix de-quantized to float32 [*ids.shape, K] (a q8 embedding's lookup)."""
+    rows, packed_cols = packed.shape
+    flat = ids.reshape(-1)
+    groups = packed.view(rows // Q8_GROUP_ROWS, Q8_GROUP_ROWS * packed_cols)[flat // Q8_GROUP_ROWS]
+    values = dequantize_q8(groups.reshape(-1, packed_cols)).reshape(flat.numel(), Q8_GROUP_ROWS, -1)
+    picked = values[torch.arange(flat.numel()), flat % Q8_GROUP_ROWS]
     return picked.reshape(*ids.shape, -1)
 
 

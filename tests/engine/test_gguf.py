@@ -18,7 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, quants
 from engine import Engine, EngineConfig, ModelLoadError, SamplingParams
 from engine.gguf_blocks import GGUF_TYPES
 from engine.kernels import layouts
-from engine.layers import Int4Embedding, Int4Linear
+from engine.layers import Int4Embedding, Int4Linear, Q8Embedding, Q8Linear
 from engine.loader import default_gguf_path
 
 BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q4_K: (256, 144), T.Q6_K: (256, 210), T.Q8_0: (32, 34)}
@@ -40,8 +40,14 @@ def random_blocks(ggml_type: T, rows: int, cols: int, seed: int = 0) -> np.ndarr
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1])
 def test_q4_0_and_q4_1_repack_into_int4_bit_for_bit(ggml_type):
     raw = torch.from_numpy(random_blocks(ggml_type, 24, 512))
-    packed = GGUF_TYPES[ggml_type].to_int4(raw)
+    packed = GGUF_TYPES[ggml_type].repack(raw)
     assert torch.equal(layouts.dequantize_int4(packed), torch.from_numpy(quants.dequantize(raw.numpy(), ggml_type)))
+
+
+def test_q8_0_repacks_into_q8_bit_for_bit():
+    raw = torch.from_numpy(random_blocks(T.Q8_0, 24, 512))  # every int8 value, -128 included
+    packed = GGUF_TYPES[T.Q8_0].repack(raw)
+    assert torch.equal(layouts.dequantize_q8(packed), torch.from_numpy(quants.dequantize(raw.numpy(), T.Q8_0)))
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1, T.Q4_K])
@@ -50,14 +56,14 @@ def test_the_fast_repacking_gives_the_bytes_of_its_plain_twin(ggml_type):
     with layouts.pack_int4, the function the kernels' layout is defined by."""
     raw = torch.from_numpy(random_blocks(ggml_type, 40, 1024, seed=3))
     kind = GGUF_TYPES[ggml_type]
-    assert torch.equal(kind.to_int4(raw), layouts.pack_int4(*kind.plain_int4(raw)))
+    assert torch.equal(kind.repack(raw), layouts.pack_int4(*kind.plain(raw)))
 
 
 def test_q4_k_repacks_into_int4_within_the_rounding_of_its_scales_to_fp16():
     """Q4_K's per-sub-block scale (super-block d x 6-bit scale) and minimum are fp32 products in the file; Tern's
     int4 stores them in fp16. Its values are the file's quants times those products rounded to fp16, exactly."""
     raw = random_blocks(T.Q4_K, 24, 512)
-    ours = layouts.dequantize_int4(GGUF_TYPES[T.Q4_K].to_int4(torch.from_numpy(raw)))
+    ours = layouts.dequantize_int4(GGUF_TYPES[T.Q4_K].repack(torch.from_numpy(raw)))
     reference = torch.from_numpy(quants.dequantize(raw, T.Q4_K))
     # Per block of 32 the file's w = s * q - m; with s and m rounded to fp16 the error is at most q * |ds| + |dm|.
     blocks = raw.reshape(24, 2, 144)
@@ -155,6 +161,7 @@ def every(ggml_type: T, **others: T) -> dict[str, T]:
 Q4_K_M = every(T.Q4_K, v=T.Q6_K, down=T.Q6_K, output=T.Q6_K)
 FILES = {
     "Q4_0": (every(T.Q4_0), True),
+    "Q8_0": (every(T.Q8_0), True),
     "Q4_1+Q8_0 embedding": (every(T.Q4_1, embd=T.Q8_0), True),
     "Q4_K_M-like, untied": (Q4_K_M, False),
     "F32": (every(T.F32), False),
@@ -174,9 +181,10 @@ def transformers_model(path: Path):
 
 
 def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path):
-    """4-bit tensors are built 4-bit with the values transformers de-quantizes from the file (exact for
-    Q4_0/Q4_1, within fp16 rounding of the scales for Q4_K), q and k rows in transformers' order. (The layers
-    as built, before packing for a kernel path: without kernels aten's int4pack re-packs them in its own way.)"""
+    """4-bit tensors are built 4-bit and Q8_0 ones q8, with the values transformers de-quantizes from the file
+    (exact for Q4_0/Q4_1/Q8_0, within fp16 rounding of the scales for Q4_K); the rest (Q6_K, F32) q8 within half a
+    step of its scales; q and k rows in transformers' order. (The layers as built, before packing for a kernel
+    path: without kernels aten's int4pack re-packs them in its own way.)"""
     from transformers import AutoConfig
 
     from engine.gguf_file import GgufFile
@@ -196,10 +204,18 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
         ):
             kinds = {types[f"blk.{index}.{g}.weight"] for g in gguf_names}
             is_4bit = kinds <= {T.Q4_0, T.Q4_1, T.Q4_K}
-            assert isinstance(fused, Int4Linear) == is_4bit, (kinds, type(fused))
-            if is_4bit:
-                section = "self_attn." if "q_proj" in parts else "mlp."
-                expected = torch.cat([reference[prefix + section + p + ".weight"] for p in parts])
+            assert type(fused) is (Int4Linear if is_4bit else Q8Linear), (kinds, type(fused))
+            section = "self_attn." if "q_proj" in parts else "mlp."
+            expected = torch.cat([reference[prefix + section + p + ".weight"] for p in parts])
+            if not is_4bit:
+                ours = layouts.dequantize_q8(fused.weight_packed)
+                if kinds == {T.Q8_0}:
+                    assert torch.equal(ours, expected)
+                else:  # re-quantized per 32 values: within half a step (absmax / 127, rounded to fp16) of each
+                    step = expected.reshape(expected.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 127
+                    error = (ours - expected).reshape(step.shape[0], -1, 32).abs()
+                    assert (error <= 0.5 * step * (1 + 2.0**-10) + 1e-12).all()
+            else:
                 ours = layouts.dequantize_int4(fused.weight_packed)
                 if T.Q4_K in kinds:
                     # w = s * q - m with s and m rounded to fp16 (relative 2^-11 each): s * q and m are at
@@ -209,10 +225,11 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
                 else:
                     assert torch.equal(ours, expected)
     embd_type = types["token_embd.weight"]
-    assert isinstance(model.model.embed_tokens, Int4Embedding) == (embd_type in (T.Q4_0, T.Q4_1, T.Q4_K))
+    is_4bit = embd_type in (T.Q4_0, T.Q4_1, T.Q4_K)
+    assert type(model.model.embed_tokens) is (Int4Embedding if is_4bit else Q8Embedding)
     ids = torch.tensor([0, 7, 1234, 49151])
     rows = model.model.embed_tokens(ids).float()
-    if embd_type in (T.Q4_0, T.Q4_1):  # the rest is int8 per row under auto
+    if embd_type in (T.Q4_0, T.Q4_1, T.Q8_0):  # the rest is re-quantized to q8 under auto
         assert torch.equal(rows, reference["model.embed_tokens.weight"][ids])
 
 

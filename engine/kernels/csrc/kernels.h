@@ -54,6 +54,15 @@ constexpr int64_t kInt4GroupRows = 8, kInt4GroupCols = 32, kInt4GroupBytes = 160
 void int4_groups_avx2(const Int4Problem& p, int64_t g0, int64_t g1);
 void int4_groups_avx512(const Int4Problem& p, int64_t g0, int64_t g1);
 
+// int8 weights with one fp16 scale d per 32 values of a row (w = d * q: GGUF's Q8_0), packed per group of 8 rows
+// and 32 columns as 256 bytes of q + 128, then 8 fp16 d (engine/kernels/layouts.py). Activations come in blocks
+// of 32 with their sums: per group dot = sum((q + 128) * xq) - 128 * sum(xq), an exact integer, then
+// acc += dot * (d * x_scale). The problem is the int4 kernel's: activations, the packed weight, the output.
+using Q8Problem = Int4Problem;
+constexpr int64_t kQ8GroupRows = 8, kQ8GroupCols = 32, kQ8GroupBytes = 272;
+void q8_groups_avx2(const Q8Problem& p, int64_t g0, int64_t g1);
+void q8_groups_avx512(const Q8Problem& p, int64_t g0, int64_t g1);
+
 // bf16 x bf16 -> bf16 on AVX512-BF16, weights packed [N/4][K/32][4][32] (engine/kernels/layouts.py).
 struct Bf16Problem {
   const uint16_t* x;

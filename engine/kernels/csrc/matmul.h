@@ -13,6 +13,7 @@ namespace tern {
 
 using Int8Groups = void (*)(const Int8Problem&, int64_t, int64_t);
 using Int4Groups = void (*)(const Int4Problem&, int64_t, int64_t);
+using Q8Groups = void (*)(const Q8Problem&, int64_t, int64_t);
 using AttentionTasks = void (*)(const AttentionProblem&, int64_t, int64_t);
 
 constexpr int64_t kInt8Chunk = 64;  // int8 activation blocks are whole multiples of 64 values
@@ -57,6 +58,15 @@ inline void int4_matmul(Int4Groups groups, QuantizedScratch& scratch, const void
   const QuantizedRows q = scratch.quantize(x, x_bf16, M, K, kInt4GroupCols);
   const Int4Problem p{&q, M, N, w, out, x_bf16};
   at::parallel_for(0, N / kInt4GroupRows, 8, [&](int64_t g0, int64_t g1) { groups(p, g0, g1); });
+}
+
+// out [M, N] = x [M, K] @ w.T for an int8 weight with a scale per 32 values, packed per 8 rows and 32 columns.
+inline void q8_matmul(Q8Groups groups, QuantizedScratch& scratch, const void* x, bool x_bf16, int64_t M, int64_t K,
+                      const uint8_t* w, int64_t N, void* out) {
+  if (M == 0) return;
+  const QuantizedRows q = scratch.quantize(x, x_bf16, M, K, kQ8GroupCols);
+  const Q8Problem p{&q, M, N, w, out, x_bf16};
+  at::parallel_for(0, N / kQ8GroupRows, 8, [&](int64_t g0, int64_t g1) { groups(p, g0, g1); });
 }
 
 inline void decode_attention(AttentionTasks tasks, const AttentionProblem& p) {

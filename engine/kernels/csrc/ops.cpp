@@ -59,6 +59,23 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
   return out;
 }
 
+// w_packed: uint8 [N, K * 17 / 16], 272 bytes per group of 8 rows and 32 columns (kernels.h).
+template <Q8Groups Groups>
+at::Tensor q8_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
+  const at::Tensor x = x_in.contiguous();
+  check_activations(x, "q8_mm");
+  TORCH_CHECK(w_packed.dim() == 2 && w_packed.scalar_type() == at::kByte && w_packed.is_contiguous(),
+              "q8_mm: w_packed must be packed uint8 [N, K * 17 / 16]");
+  const int64_t M = x.size(0), K = x.size(1), N = w_packed.size(0);
+  TORCH_CHECK(K % kQ8GroupCols == 0 && N % kQ8GroupRows == 0 && w_packed.size(1) * 16 == K * 17,
+              "q8_mm: K must be a multiple of 32, N of 8, and w_packed [N, K * 17 / 16]");
+  at::Tensor out = at::empty({M, N}, x.options());
+  QuantizedScratch scratch;
+  q8_matmul(Groups, scratch, x.data_ptr(), x.scalar_type() == at::kBFloat16, M, K, w_packed.data_ptr<uint8_t>(), N,
+            out.data_ptr());
+  return out;
+}
+
 #ifdef TERN_WITH_AVX512_BF16
 at::Tensor bf16_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
   const at::Tensor x = x_in.contiguous();
@@ -107,11 +124,13 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, c
 TORCH_LIBRARY(tern, m) {
   m.def("int8_mm_avx2(Tensor x, Tensor w_packed, Tensor w_scale) -> Tensor");
   m.def("int4_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
+  m.def("q8_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("decode_attention_avx2(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, Tensor context_lens, "
         "float scale) -> Tensor");
 #ifdef TERN_WITH_AVX512
   m.def("int8_mm_avx512(Tensor x, Tensor w_packed, Tensor w_scale) -> Tensor");
   m.def("int4_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
+  m.def("q8_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("decode_attention_avx512(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, "
         "Tensor context_lens, float scale) -> Tensor");
 #endif
@@ -129,10 +148,12 @@ TORCH_LIBRARY_FRAGMENT(tern, m) {
 TORCH_LIBRARY_IMPL(tern, CPU, m) {
   m.impl("int8_mm_avx2", &tern::int8_mm<tern::int8_groups_avx2>);
   m.impl("int4_mm_avx2", &tern::int4_mm<tern::int4_groups_avx2>);
+  m.impl("q8_mm_avx2", &tern::q8_mm<tern::q8_groups_avx2>);
   m.impl("decode_attention_avx2", &tern::decode_attention_op<tern::decode_attention_avx2>);
 #ifdef TERN_WITH_AVX512
   m.impl("int8_mm_avx512", &tern::int8_mm<tern::int8_groups_avx512>);
   m.impl("int4_mm_avx512", &tern::int4_mm<tern::int4_groups_avx512>);
+  m.impl("q8_mm_avx512", &tern::q8_mm<tern::q8_groups_avx512>);
   m.impl("decode_attention_avx512", &tern::decode_attention_op<tern::decode_attention_avx512>);
 #endif
 #ifdef TERN_WITH_AVX512_BF16

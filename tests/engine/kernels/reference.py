@@ -46,3 +46,15 @@ def int4_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tens
         acc = acc + dot.float() * (d[:, c][None] * x_scale)
         acc = acc + m[:, c][None] * (x_scale * sums[:, c:c + 1])
     return acc.to(x.dtype)
+
+
+def q8_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times the weight d * q (q int8 [N, K], d fp16 [N, K/32]): [M, N] in x's dtype."""
+    quantized, x_scales = quantize_activations(x, 32)
+    rows, blocks, _ = quantized.shape
+    d = d.float()
+    acc = torch.zeros(rows, q.shape[0])
+    for c in range(blocks):
+        dot = quantized[:, c].long() @ q[:, c * 32:(c + 1) * 32].long().t()  # [M, N], exact
+        acc = acc + dot.float() * (d[:, c][None] * x_scales[:, c:c + 1])
+    return acc.to(x.dtype)

@@ -11,7 +11,7 @@ from conftest import build_tiny, require_op, tiny_config, tiny_quantized_engine
 
 from engine import Engine, EngineConfig, SamplingParams, layers, quant
 
-PACKED = {"int8": layers.PackedInt8Linear, "int4": layers.PackedInt4Linear}
+PACKED = {"int8": layers.PackedQ8Linear, "int4": layers.PackedInt4Linear}  # int8: per 32 values where shapes fit
 
 
 def _decode_with_a_prefill_joining(engine: Engine, params: SamplingParams):
@@ -30,13 +30,13 @@ def _decode_with_a_prefill_joining(engine: Engine, params: SamplingParams):
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_engine_packs_for_its_path_and_a_decode_does_not_depend_on_its_neighbours(default_tokenizer,
                                                                                           path_kernels, mode):
-    require_op(path_kernels.int8_mm if mode == "int8" else path_kernels.int4_mm, mode)
+    require_op(path_kernels.q8_mm if mode == "int8" else path_kernels.int4_mm, mode)
     # native_decode off: the C++ step serves pure decode steps and not mixed ones, whose float order differs.
     engine, _ = tiny_quantized_engine("llama", mode, default_tokenizer, path=path_kernels, native_decode=False)
     try:
         model = engine.loaded.model
         assert all(type(m) is not torch.nn.Linear for m in model.modules())
-        assert isinstance(model.lm_head, layers.PackedInt8Linear)  # int8 in both modes
+        assert isinstance(model.lm_head, layers.PackedQ8Linear)  # int8 per 32 values in both modes
         packed = [m for m in model.modules() if isinstance(m, PACKED[mode])]
         assert len(packed) == 2 * 4 + (mode == "int8")  # qkv, o, gate_up, down per layer (+ the lm_head)
         alone, outputs = _decode_with_a_prefill_joining(

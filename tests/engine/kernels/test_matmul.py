@@ -50,6 +50,24 @@ def test_int8_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows)
         assert torch.equal(out, reference.int8_matmul(x, weight, scales)), (n, k)
 
 
+def _q8_case(rows, n, k, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=generator)  # -128 too: files may hold it
+    d = (torch.rand(n, k // 32, generator=generator) / 50).half()
+    return _activations(rows, k, dtype, generator), q, d
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", ROWS)
+def test_q8_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows):
+    q8_mm = require(path_kernels.q8_mm, "q8")
+    for n, k in [(8, 32), (24, 96), (112, 576), (576, 1536)]:
+        x, q, d = _q8_case(rows, n, k, dtype, seed=rows)
+        out = q8_mm(x, layouts.pack_q8(q, d))
+        assert out.dtype == dtype and out.shape == (rows, n)
+        assert torch.equal(out, reference.q8_matmul(x, q, d)), (n, k)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", ROWS)
 def test_int4_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows):
@@ -64,13 +82,16 @@ def test_int4_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows)
 def test_a_row_gets_the_same_bits_alone_as_in_any_batch(path_kernels):
     """What makes a sequence's tokens independent of the other sequences sharing its steps."""
     int8_mm, int4_mm = require(path_kernels.int8_mm, "int8"), require(path_kernels.int4_mm, "int4")
+    q8_mm = require(path_kernels.q8_mm, "q8")
     x, weight, scales = _int8_case(37, 112, 576, torch.float32)
     _, q, d, m = _int4_case(37, 112, 576, torch.float32)
-    packed8, packed4 = layouts.pack_int8(weight), layouts.pack_int4(q, d, m)
-    batch8, batch4 = int8_mm(x, packed8, scales), int4_mm(x, packed4)
+    _, q8, d8 = _q8_case(37, 112, 576, torch.float32)
+    packed8, packed4, packed_q8 = layouts.pack_int8(weight), layouts.pack_int4(q, d, m), layouts.pack_q8(q8, d8)
+    batch8, batch4, batch_q8 = int8_mm(x, packed8, scales), int4_mm(x, packed4), q8_mm(x, packed_q8)
     for row in (0, 5, 36):
         assert torch.equal(int8_mm(x[row:row + 1], packed8, scales)[0], batch8[row])
         assert torch.equal(int4_mm(x[row:row + 1], packed4)[0], batch4[row])
+        assert torch.equal(q8_mm(x[row:row + 1], packed_q8)[0], batch_q8[row])
 
 
 def _layer_for(path_kernels, mode: str, weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> nn.Module:
@@ -92,13 +113,16 @@ def test_the_layer_each_path_builds_computes_the_quantized_product(path_kernels,
     weight = torch.randn(112, 576, generator=generator) / 24
     bias = torch.randn(112, generator=generator)
     layer = _layer_for(path_kernels, mode, weight, bias, dtype)
-    expected_type = {("int8", True): layers.PackedInt8Linear, ("int8", False): layers.Int8Linear,
+    # int8: per 32 values by the q8 kernel; without one, per row for aten's op.
+    expected_type = {("int8", True): layers.PackedQ8Linear, ("int8", False): layers.Int8Linear,
                      ("int4", True): layers.PackedInt4Linear, ("int4", False): layers.AtenInt4Linear}
-    kernel = path_kernels.int8_mm if mode == "int8" else path_kernels.int4_mm
+    kernel = path_kernels.q8_mm if mode == "int8" else path_kernels.int4_mm
     assert type(layer) is expected_type[mode, kernel is not None]
     # Against the exact product with the weights the layer stands for (what quantizing the weight gave).
-    if mode == "int8":
-        int8, scales = quant.quantize_int8(weight, torch.float32)
+    if mode == "int8" and kernel is not None:
+        stored = layouts.dequantize_q8(quant.pack_q8(weight))
+    elif mode == "int8":
+        int8, scales = quant.quantize_int8(layouts.dequantize_q8(quant.pack_q8(weight)), torch.float32)
         stored = int8.float() * scales[:, None]
     else:
         stored = layouts.dequantize_int4(layouts.pack_int4(*quant.quantize_int4(weight)))

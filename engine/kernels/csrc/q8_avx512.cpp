@@ -1,0 +1,83 @@
+// int8 weights with a scale per 32 values (GGUF's Q8_0) times int8 activations on AVX512-VNNI
+// (kernels.h: q8_groups_avx512): the int4 AVX512 kernel's loop with bytes for nibbles, and the same integers and
+// float steps as q8_avx2.cpp.
+//
+// Each 512-bit register holds one 32-byte register of group g (low half) and the same one of group g + 1 (high
+// half): 16 rows, one per int32 lane, 4 columns each, stored as q + 128. vpdpbusd multiplies those unsigned bytes
+// by 4 signed activation bytes broadcast to every lane; subtracting 128 * sum(xq) then leaves sum(q * xq), exact
+// (at most 32 * 255 * 127 before the subtraction).
+#include "avx512.h"
+#include "kernels.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+
+namespace tern {
+namespace {
+
+constexpr int kTileRows = 4;  // activation rows sharing each weight load
+constexpr int64_t kPrefetchBlocks = 4;  // as the int4 kernel: both streams 4 blocks ahead
+
+inline __m512i two_groups(const uint8_t* a, const uint8_t* b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
+inline __m512 two_fp16_rows(const uint8_t* a, const uint8_t* b) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+}
+
+// out[m, rows n0..n0+15] for MB activation rows against groups wa (rows n0..n0+7) and wb (n0+8..n0+15).
+template <int MB>
+inline void pair_rows(const Q8Problem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, int64_t n0) {
+  const QuantizedRows& q = *p.x;
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < q.blocks; ++c) {
+    const uint8_t* ca = wa + c * kQ8GroupBytes;
+    const uint8_t* cb = wb + c * kQ8GroupBytes;
+    for (int line = 0; line < kQ8GroupBytes; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(ca + kPrefetchBlocks * kQ8GroupBytes + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(cb + kPrefetchBlocks * kQ8GroupBytes + line), _MM_HINT_T0);
+    }
+    __m512i dot[MB];
+    const int32_t* x[MB];
+    for (int m = 0; m < MB; ++m) {
+      dot[m] = _mm512_set1_epi32(-128 * q.sums[(m0 + m) * q.blocks + c]);
+      x[m] = reinterpret_cast<const int32_t*>(q.values + (m0 + m) * q.K + c * kQ8GroupCols);
+    }
+    for (int j = 0; j < 8; ++j) {
+      const __m512i w = two_groups(ca + 32 * j, cb + 32 * j);
+      for (int m = 0; m < MB; ++m) dot[m] = _mm512_dpbusd_epi32(dot[m], w, _mm512_set1_epi32(x[m][j]));
+    }
+    const __m512 d = two_fp16_rows(ca + 256, cb + 256);
+    for (int m = 0; m < MB; ++m) {
+      const float x_scale = q.scales[(m0 + m) * q.blocks + c];
+      acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(d, _mm512_set1_ps(x_scale))));
+    }
+  }
+  for (int m = 0; m < MB; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, acc[m], p.out_bf16);
+}
+
+}  // namespace
+
+void q8_groups_avx512(const Q8Problem& p, int64_t g0, int64_t g1) {
+  const int64_t group_stride = p.x->blocks * kQ8GroupBytes;  // one group of 8 rows, all of K
+  for (; g0 + 1 < g1; g0 += 2) {
+    const uint8_t* wa = p.w + g0 * group_stride;
+    for (int64_t m = 0; m < p.M; m += kTileRows) {
+      switch (std::min<int64_t>(kTileRows, p.M - m)) {
+        case 1: pair_rows<1>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
+        case 2: pair_rows<2>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
+        case 3: pair_rows<3>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
+        default: pair_rows<kTileRows>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
+      }
+    }
+  }
+  if (g0 < g1) q8_groups_avx2(p, g0, g1);  // an odd group left: the AVX2 kernel, the same bits
+}
+
+}  // namespace tern
