@@ -94,6 +94,19 @@ def test_a_folder_of_each_family_answers_as_transformers_natively(family, defaul
         engine.stop()
 
 
+def test_a_compiled_decode_step_answers_as_transformers_too(default_tokenizer, tmp_path):
+    """The server compiles decode steps by default (--compile): Gemma 2's windowed and soft-capped layers compile
+    and still give transformers' answers."""
+    hf_model, folder = make_checkpoint("gemma2", default_tokenizer, tmp_path / "gemma2")
+    engine = Engine(EngineConfig(model=str(folder), dtype="float32", compile=True,
+                                 cache_dir=str(tmp_path / "cache"))).start()
+    try:
+        assert engine.runner.wait_for_compiled_decode(timeout_s=600) and engine.runner.decode_step == "compiled"
+        assert_answers_as_transformers(engine, hf_model)
+    finally:
+        engine.stop()
+
+
 def test_a_family_without_a_native_model_says_it_recomputes_every_step(default_tokenizer, tmp_path, caplog):
     from transformers import AutoModelForCausalLM
 
