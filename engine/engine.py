@@ -57,6 +57,20 @@ class EngineStats:
         return self.num_kv_blocks_used / total if total else 0.0
 
 
+def _load_leaving_a_core(config: EngineConfig) -> LoadedModel:
+    """loader.load on one intra-op thread fewer than the steps use. The server builds its web app (Python, a core's
+    work) while the model loads; on 2 cores a 2-thread OpenMP team then waits in each of the load's thousands of
+    small parallel regions for the thread the OS has parked. On the 2-core VM with other processes running, the
+    default model loaded in 2.3-3.0 s on 2 threads and 0.5-0.6 s on 1 (a 1B Q4_0 file: 11-12 s and 3-5 s). The
+    count is this thread's own (OpenMP's), restored before any step runs."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(max(num_threads - 1, 1))
+    try:
+        return loader.load(config)
+    finally:
+        torch.set_num_threads(num_threads)
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
         self.config = config or EngineConfig()
@@ -93,7 +107,7 @@ class Engine:
             raise setup_failure[0]
 
     def _setup(self, loaded: LoadedModel | None) -> None:
-        self.loaded = loaded or loader.load(self.config)
+        self.loaded = loaded or _load_leaving_a_core(self.config)
         model, hf_config = self.loaded.model, self.loaded.hf_config
         self.device, self.dtype = self.loaded.device, self.loaded.dtype
         if self.device.type == "cuda":
