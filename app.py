@@ -1,15 +1,15 @@
 """Tern: one process serving the OpenAI-compatible API at /v1 and the Gradio UI at /, over one engine.
 
-Composition only: settings -> EngineHandle -> FastAPI (lifespan loads and starts the engine) -> /v1 routers ->
+Composition only: settings -> EngineHandle (the engine loads on a thread from here on) -> FastAPI -> /v1 routers ->
 Gradio mounted at "/". Every flag has a TERN_* environment variable.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
+import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -181,8 +181,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineCon
     return server, engine_config, args.prepare_only
 
 
-def create_app(server: ServerSettings | None = None, engine_config: EngineConfig | None = None):
-    """The FastAPI app; the engine loads in the background once the server is up (/health says 503 till then)."""
+def create_app(server: ServerSettings | None = None, engine_config: EngineConfig | None = None,
+               handle: EngineHandle | None = None):
+    """The FastAPI app; /health says 503 until the engine has loaded. `handle`: one whose engine is already loading
+    (main starts it first, so the weights load while the web app is imported and built); without one the app's
+    lifespan starts loading it."""
     import gradio as gr
     from fastapi import FastAPI
 
@@ -191,15 +194,16 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
 
     server = server or ServerSettings()
     engine_config = engine_config or EngineConfig()
-    handle = EngineHandle(server.served_model_name)
+    is_loading = handle is not None
+    handle = handle or EngineHandle(server.served_model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        loading = asyncio.create_task(asyncio.to_thread(_load_engine, handle, engine_config))
+        if not is_loading:
+            start_loading(handle, engine_config)
         try:
             yield
         finally:
-            loading.cancel()
             if handle.engine is not None:
                 handle.engine.stop()
 
@@ -218,6 +222,14 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
     # Gradio's own HTTP API (what gradio_client calls) runs the model as /v1 does.
     login = key_login(server.api_key) if server.api_key else None
     return gr.mount_gradio_app(app, build_ui(handle), path="/", auth=login, auth_message=LOGIN_MESSAGE if login else None)
+
+
+def start_loading(handle: EngineHandle, config: EngineConfig) -> threading.Thread:
+    """Load and start the engine on a thread of its own; the handle says ready once it serves (or why it failed).
+    A daemon: stopping the server while the model loads does not wait for the load to end."""
+    thread = threading.Thread(target=_load_engine, args=(handle, config), name="tern-load", daemon=True)
+    thread.start()
+    return thread
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,9 +252,13 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("model ready at %s", folder)
         return 0
 
+    # Loading is mostly C++ and file reads, building the web app (importing Gradio, FastAPI and the UI) is Python:
+    # started first, the weights load while the app is built, instead of after it.
+    handle = EngineHandle(server.served_model_name)
+    start_loading(handle, engine_config)
     import uvicorn
 
-    app = create_app(server, engine_config)
+    app = create_app(server, engine_config, handle)
     # h11 and asyncio whatever else is installed: uvicorn's "auto" picks httptools and uvloop when present (Ray
     # brings them, requirements-ray.txt), and the server would then parse and schedule differently from the image.
     config = uvicorn.Config(app, host=server.host, port=server.port, log_level=server.log_level,

@@ -152,6 +152,37 @@ def test_a_full_queue_answers_429_with_retry_after_then_recovers(guarded_server)
         assert answer.json()["choices"][0]["text"] == " Paris."
 
 
+def test_health_answers_503_while_the_model_loads_and_200_once_it_serves():
+    """The model loads while the web app is built (app.py): from the first answer on, /health says 503 \"still
+    loading\" until the engine serves, and the first 200 means a request is answered at once."""
+    # Float weights de-quantized from the file load slower than the app is built: a 503 window is likely, not needed.
+    process, base_url, log_path = start_server("--quantization", "none", "--dtype", "float32", "--no-compile",
+                                               log_name="loading-server")
+    try:
+        statuses = []
+        deadline = time.monotonic() + 300
+        with httpx.Client(base_url=base_url, timeout=30) as client:
+            while not statuses or statuses[-1] != 200:
+                assert process.poll() is None, log_path.read_text()[-3000:]
+                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+                with contextlib.suppress(httpx.TransportError):  # not listening yet
+                    health = client.get("/health")
+                    statuses.append(health.status_code)
+                    if health.status_code != 200:
+                        assert health.status_code == 503 and health.headers["retry-after"], health.text
+                        assert health.json()["error"]["code"] == "model_not_ready", health.text
+                        assert "still loading" in health.json()["error"]["message"]
+                time.sleep(0.02)
+            assert "engine ready" in log_path.read_text()
+            assert client.get("/ready").status_code == 200
+            answer = client.post(COMPLETIONS, json={"prompt": "The capital of France is", "max_tokens": 2,
+                                                    "temperature": 0})
+            assert answer.status_code == 200 and answer.json()["choices"][0]["text"]
+            assert client.get("/").status_code == 200  # the UI is mounted by then too
+    finally:
+        stop_server(process)
+
+
 def test_without_a_model_every_route_answers_503_in_openais_shape(tmp_path):
     """A checkpoint that cannot load stands in for one still loading: both leave the engine absent."""
     (tmp_path / "config.json").write_text("{}")

@@ -1,0 +1,102 @@
+"""Start-up time: seconds from launching a server until it is ready, Tern against llama-server and/or another
+checkout of Tern (an earlier commit), alternated, medians.
+
+    .venv/bin/python bench/startup.py --rounds 5 --llama-bin ~/.cache/llama-cpp-src/llama.cpp/build/bin \
+        [--baseline /tmp/tern-base] [FILE.gguf ...]      # no file: the default model
+
+Ready: /health answers 200 (and for Tern /v1/models says no compile is under way: the server then serves at full
+speed). Tern is started as a user starts it, `python app.py [--model FILE]`; a baseline is a checkout of another
+commit (`git worktree add /tmp/tern-base <commit>`) run by the same interpreter. Kernels and caches are built
+before the rounds (a first start per checkout, not timed). Each round starts every server once, in an order
+reversed every other round; 127.0.0.1 only. The requirement: Tern within 5 s of llama-server on the same file.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gguf_servers import free_port  # noqa: E402
+from rounds import _cpu_flags  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+POLL_S = 0.02
+
+
+def command(server: str, checkout: Path, model: Path | None, port: int, llama_bin: Path | None) -> list[str]:
+    if server == "llama-server":
+        return [str(llama_bin / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                "-t", "2", "-np", "1", "--log-disable"]
+    return [sys.executable, str(checkout / "app.py"), "--host", "127.0.0.1", "--port", str(port),
+            *(["--model", str(model)] if model else [])]
+
+
+def ready_s(cmd: list[str], cwd: Path, is_tern: bool, timeout_s: float = 900) -> float:
+    """Seconds from launch until ready; the server is stopped after."""
+    port = int(cmd[cmd.index("--port") + 1])
+    base = f"http://127.0.0.1:{port}"
+    started = time.perf_counter()
+    process = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with httpx.Client(timeout=5) as client:
+            while time.perf_counter() - started < timeout_s:
+                if process.poll() is not None:
+                    raise SystemExit(f"{' '.join(cmd)} exited with {process.returncode}")
+                try:
+                    if client.get(f"{base}/health").status_code == 200 and (
+                            not is_tern or client.get(f"{base}/v1/models").json()["data"][0]["decode_step"]
+                            != "compiling"):
+                        return time.perf_counter() - started
+                except (httpx.HTTPError, KeyError, IndexError, ValueError):
+                    pass
+                time.sleep(POLL_S)
+        raise SystemExit(f"{' '.join(cmd)}: not ready after {timeout_s} s")
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("models", nargs="*", type=Path, help="GGUF files (default: Tern's default model)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--llama-bin", type=Path, help="llama-server's folder; needs a model file")
+    parser.add_argument("--baseline", type=Path, help="another checkout of Tern to compare with (e.g. a worktree)")
+    args = parser.parse_args()
+    servers = [("tern", ROOT)]
+    if args.baseline:
+        servers.append(("tern-baseline", args.baseline.resolve()))
+    flags = " ".join(sorted(f for f in _cpu_flags() if f == "avx2" or f.startswith("avx512")))
+    print(f"CPU: {flags}; {args.rounds} rounds, alternated; seconds from launch to ready, median (min-max)")
+    for model in args.models or [None]:
+        contenders = servers + ([("llama-server", ROOT)] if args.llama_bin and model else [])
+        for name, checkout in contenders:  # a first start builds kernels and caches: not timed
+            ready_s(command(name, checkout, model, free_port(), args.llama_bin), checkout, name != "llama-server")
+        times: dict[str, list[float]] = {name: [] for name, _ in contenders}
+        for round_index in range(args.rounds):
+            order = contenders if round_index % 2 == 0 else contenders[::-1]
+            for name, checkout in order:
+                cmd = command(name, checkout, model, free_port(), args.llama_bin)
+                times[name].append(ready_s(cmd, checkout, name != "llama-server"))
+        medians = {name: statistics.median(values) for name, values in times.items()}
+        print(f"\n{model.name if model else 'default model'}:")
+        for name, values in times.items():
+            extra = ""
+            if name != "llama-server" and "llama-server" in medians:
+                extra = f"  ({medians[name] - medians['llama-server']:+.2f} s vs llama-server)"
+            print(f"  {name:14s} {medians[name]:6.2f} s ({min(values):.2f}-{max(values):.2f}){extra}")
+
+
+if __name__ == "__main__":
+    main()
