@@ -31,20 +31,22 @@ def candidates(cpu: kernels.CpuKernels) -> dict[str, callable]:
     """name -> builder of (run(x_by_k)) over the whole stack, each with its own random weights."""
     bf16 = torch.bfloat16
 
-    def tern_int8():
-        weights = [(layouts.pack_int8(torch.randint(-127, 128, (n, k), dtype=torch.int8)), torch.rand(n)) for n, k in SHAPES]
-        return lambda xs: [cpu.int8_mm(xs[w.shape[1]], w, s) for w, s in weights]
+    def q8_weight(n, k):
+        return layouts.pack_q8(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n, k // 32).half())
 
-    def tern_int4():  # the lm_head stays int8, as in the engine's int4 mode
+    def tern_q8():
+        weights = [(q8_weight(n, k), k) for n, k in SHAPES]
+        return lambda xs: [cpu.q8_mm(xs[k], w) for w, k in weights]
+
+    def tern_int4():  # the lm_head stays int8 (q8), as in the engine's int4 mode
         weights = []
         for n, k in SHAPES:
             if n == 49152:
-                weights.append(("int8", layouts.pack_int8(torch.randint(-127, 128, (n, k), dtype=torch.int8)), torch.rand(n)))
+                weights.append(("q8", q8_weight(n, k), k))
             else:
                 q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
                 weights.append(("int4", layouts.pack_int4(q, torch.rand(n, k // 32).half(), torch.rand(n, k // 32).half()), k))
-        return lambda xs: [cpu.int8_mm(xs[w[1].shape[1]], w[1], w[2]) if w[0] == "int8" else cpu.int4_mm(xs[w[2]], w[1])
-                           for w in weights]
+        return lambda xs: [cpu.q8_mm(xs[k], w) if kind == "q8" else cpu.int4_mm(xs[k], w) for kind, w, k in weights]
 
     def aten_int8pack():
         weights = [(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n).to(bf16)) for n, k in SHAPES]
@@ -62,8 +64,8 @@ def candidates(cpu: kernels.CpuKernels) -> dict[str, callable]:
 
     found = {"aten fp32 (F.linear)": aten_fp32, "aten int8pack (bf16 activations)": aten_int8pack,
              "aten int4pack (bf16 activations)": aten_int4pack}
-    if cpu.int8_mm is not None:
-        found[f"Tern int8 ({cpu.path})"] = tern_int8
+    if cpu.q8_mm is not None:
+        found[f"Tern q8 ({cpu.path})"] = tern_q8
     if cpu.int4_mm is not None:
         found[f"Tern int4 ({cpu.path})"] = tern_int4
     return found

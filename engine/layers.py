@@ -44,24 +44,6 @@ class Int8Linear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-class PackedInt8Linear(nn.Module):
-    """Int8Linear's weight in layouts.pack_int8's layout, multiplied by Tern's int8 kernel for every batch size:
-    each row gets the same bits alone or in any batch, so a sequence's tokens do not depend on its neighbours."""
-
-    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, matmul: Callable) -> None:
-        super().__init__()
-        self.out_features, self.in_features = packed.shape
-        self.matmul = matmul
-        self.register_buffer("weight_packed", packed)
-        self.register_buffer("scales", scales)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.matmul(x.reshape(-1, x.shape[-1]), self.weight_packed, self.scales)
-        out = out if self.bias is None else out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-
 class Int8Embedding(nn.Module):
     """Row lookup of an int8 matrix with one scale per row (the matrix a tied int8 lm_head shares), in row order."""
 
@@ -74,21 +56,6 @@ class Int8Embedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.weight_int8[input_ids].to(self.scales.dtype) * self.scales[input_ids].unsqueeze(-1)
-
-
-class PackedInt8Embedding(nn.Module):
-    """Int8Embedding's matrix in layouts.pack_int8's layout: the one a PackedInt8Linear lm_head is tied to."""
-
-    def __init__(self, weight_packed: torch.Tensor, scales: torch.Tensor, padding_idx: int | None = None) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = weight_packed.shape
-        self.padding_idx = padding_idx
-        self.register_buffer("weight_packed", weight_packed)
-        self.register_buffer("scales", scales)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = layouts.int8_rows(self.weight_packed, input_ids)
-        return rows.to(self.scales.dtype) * self.scales[input_ids].unsqueeze(-1)
 
 
 class Int4Linear(nn.Module):

@@ -3,8 +3,8 @@
 On a small CPU a decode step run from Python, even compiled, spends about as long in dynamo's guards, the generated
 wrapper and the dispatcher as in its matmuls (the default model: ~4-5 of ~10 ms a token on 2 cores). The native
 step runs the layers with Tern's kernels in one call, so a token costs its matmuls and attention plus the
-embedding, the final norm and the lm_head. It serves Llama-family models whose linear layers are packed int8 or
-int4 or q8 weights, in float32 on a CPU with a kernel path; elsewhere `unsupported_reason` says why and torch.compile
+embedding, the final norm and the lm_head. It serves Llama-family models whose linear layers are packed q8 or
+int4 weights, in float32 on a CPU with a kernel path; elsewhere `unsupported_reason` says why and torch.compile
 (or the eager model) serves. The eager model is its twin: the same steps, the tests hold it to the same tokens.
 """
 from __future__ import annotations
@@ -13,12 +13,12 @@ import torch
 
 from engine.kernels import CpuKernels
 from engine.kv_cache import KVCache
-from engine.layers import PackedInt4Linear, PackedInt8Linear, PackedQ8Linear
+from engine.layers import PackedInt4Linear, PackedQ8Linear
 from engine.models.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
 
 # The packed layers the step multiplies, by the number decode_step.h's WeightKind gives each.
-WEIGHT_KINDS = {PackedInt8Linear: 0, PackedInt4Linear: 1, PackedQ8Linear: 2}
+WEIGHT_KINDS = {PackedQ8Linear: 0, PackedInt4Linear: 1}
 
 
 def unsupported_reason(model, kv_cache: KVCache, kernels: CpuKernels, dtype: torch.dtype) -> str | None:
@@ -37,7 +37,7 @@ def unsupported_reason(model, kv_cache: KVCache, kernels: CpuKernels, dtype: tor
     for layer in model.model.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             if type(linear) not in WEIGHT_KINDS:
-                return f"its linear layers must be packed int8, int4 or q8 weights ({type(linear).__name__} here)"
+                return f"its linear layers must be packed q8 or int4 weights ({type(linear).__name__} here)"
     return None
 
 
@@ -56,9 +56,8 @@ class NativeDecode:
             else:
                 tensors += [empty, empty]
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                scales = linear.scales if isinstance(linear, PackedInt8Linear) else empty
                 bias = empty if linear.bias is None else linear.bias.detach()
-                tensors += [linear.weight_packed, scales, bias]
+                tensors += [linear.weight_packed, bias]
                 kinds.append(WEIGHT_KINDS[type(linear)])
             tensors += [k_cache, v_cache]
         attn = model.model.layers[0].self_attn

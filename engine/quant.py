@@ -16,11 +16,11 @@ Modes (EngineConfig.quantization):
 - `auto` (the server's default), decided by `resolve_mode`: on CPU, `int4` where the weights are 4-bit already
   (every linear layer's values round-trip through it exactly, as a converted Q4_1 GGUF's do) and the CPU takes
   the AVX2 path, `int8` otherwise (AVX512 CPUs: its VNNI kernel is the measured fast path there); `none` on CUDA.
-Fused projections (qkv_proj, gate_up_proj) quantize per output row (int8, LLM.int8()) or in blocks along rows
-(4-bit), so fusing before quantizing changes nothing.
+Fused projections (qkv_proj, gate_up_proj) quantize per output row (LLM.int8(), per-row int8) or in blocks along
+rows (q8, 4-bit), so fusing before quantizing changes nothing.
 
 `pack_for_cpu` is the step after: it swaps each layer whose shape fits for its packed twin (engine/layers.py)
-holding the operator of the kernel path chosen for this process (engine.kernels.select): int8 and int4 layers,
+holding the operator of the kernel path chosen for this process (engine.kernels.select): q8 and int4 layers,
 and bf16 ones of the unquantized mode where the CPU has AVX512-BF16.
 """
 from __future__ import annotations
@@ -41,8 +41,6 @@ from engine.layers import (
     PackedBf16Embedding,
     PackedBf16Linear,
     PackedInt4Linear,
-    PackedInt8Embedding,
-    PackedInt8Linear,
     PackedQ8Linear,
     Q8Embedding,
     Q8Linear,
@@ -184,21 +182,16 @@ def quantize(model: nn.Module, mode: str, device: torch.device, dtype: torch.dty
 
 
 def pack_for_cpu(model: nn.Module, kernels: CpuKernels) -> None:
-    """Swap every plain int8 / int4 layer (and, where the CPU has AVX512-BF16, every bf16 nn.Linear) whose shape
-    fits for its packed twin holding `kernels`' operator; without a kernel, int4 layers go to aten's int4pack.
+    """Swap every plain q8 / int4 layer (and, where the CPU has AVX512-BF16, every bf16 nn.Linear) whose shape
+    fits for its packed twin holding `kernels`' operator; without a kernel, int4 layers go to aten's int4pack and
+    q8 ones to per-row int8 for aten's int8pack.
     Tied layers keep sharing one matrix. Logs how many matrices each kernel serves."""
     counts: dict[str, int] = {}
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    int8_packed: dict[int, torch.Tensor] = {}  # id(int8 rows) -> their packed copy
     bf16_packed: dict[int, torch.Tensor] = {}  # data_ptr of a bf16 weight -> its packed copy
     for parent, name, child in [(p, n, c) for p in model.modules() for n, c in p.named_children()]:
         new = None
-        if isinstance(child, Int8Linear) and kernels.int8_mm and layouts.can_pack_int8(child.weight_int8):
-            rows = child.weight_int8
-            if id(rows) not in int8_packed:
-                int8_packed[id(rows)] = layouts.pack_int8(rows)
-            new = PackedInt8Linear(int8_packed[id(rows)], child.scales, child.bias, kernels.int8_mm)
-        elif type(child) is Q8Linear and kernels.q8_mm:
+        if type(child) is Q8Linear and kernels.q8_mm:
             new = PackedQ8Linear(child.weight_packed, child.bias, kernels.q8_mm)
         elif type(child) is Q8Linear:  # no q8 kernel: per-row int8 for aten's op (coarser scales, but fast)
             new = Int8Linear(*quantize_int8(layouts.dequantize_q8(child.weight_packed), dtype), child.bias)
@@ -216,9 +209,6 @@ def pack_for_cpu(model: nn.Module, kernels: CpuKernels) -> None:
             setattr(parent, name, new)
             counts[type(new).__name__] = counts.get(type(new).__name__, 0) + 1
     embedding = _input_embedding(model)
-    if isinstance(embedding, Int8Embedding) and id(embedding.weight_int8) in int8_packed:
-        packed = int8_packed[id(embedding.weight_int8)]
-        _replace(model, embedding, PackedInt8Embedding(packed, embedding.scales, embedding.padding_idx))
     if isinstance(embedding, nn.Embedding) and embedding.weight.data_ptr() in bf16_packed:
         _replace(model, embedding, PackedBf16Embedding(bf16_packed[embedding.weight.data_ptr()], embedding.padding_idx))
     if counts:

@@ -34,11 +34,9 @@ ISA_FLAGS = {
 # Source file -> the instruction set it is compiled for. Headers are hashed too (they change what compiles).
 KERNEL_SOURCES = {
     "quantize_avx2.cpp": "avx2",
-    "int8_avx2.cpp": "avx2",
     "int4_avx2.cpp": "avx2",
     "q8_avx2.cpp": "avx2",
     "decode_attention_avx2.cpp": "avx2",
-    "int8_avx512.cpp": "avx512",
     "int4_avx512.cpp": "avx512",
     "q8_avx512.cpp": "avx512",
     "decode_attention_avx512.cpp": "avx512",

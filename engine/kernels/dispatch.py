@@ -44,11 +44,10 @@ class CpuKernels:
 
     path: str  # one of PATHS
     reason: str  # why this path: what was asked for, or what the CPU lacks
-    int8_mm: Callable | None = None  # (x [M, K], layouts.pack_int8 weight, scales [N]) -> [M, N]
+    q8_mm: Callable | None = None  # (x [M, K], layouts.pack_q8 weight) -> [M, N]
     int4_mm: Callable | None = None  # (x [M, K], layouts.pack_int4 weight) -> [M, N]
     bf16_mm: Callable | None = None  # (x [M, K] bf16, layouts.pack_bf16 weight) -> [M, N] bf16
     decode_attention: Callable | None = None  # (q, k_cache, v_cache, context_slots, context_lens, scale)
-    q8_mm: Callable | None = None  # (x [M, K], layouts.pack_q8 weight) -> [M, N]
 
     def describe(self) -> str:
         """E.g. `avx2 (int8: avx2, int4: avx2, bf16: aten, decode attention: avx2)`."""
@@ -136,8 +135,8 @@ def kernels_for(path: str, cache_dir: Path, reason: str = "") -> CpuKernels:
     _load_library(cache_dir)
     ops = torch.ops.tern
     bf16 = getattr(ops, "bf16_mm_avx512", None) if path == "avx512" and BF16_FLAG in cpu_flags() else None
-    return CpuKernels(path, reason or "asked for", getattr(ops, f"int8_mm_{path}"), getattr(ops, f"int4_mm_{path}"), bf16,
-                      getattr(ops, f"decode_attention_{path}"), getattr(ops, f"q8_mm_{path}"))
+    return CpuKernels(path, reason or "asked for", getattr(ops, f"q8_mm_{path}"), getattr(ops, f"int4_mm_{path}"), bf16,
+                      getattr(ops, f"decode_attention_{path}"))
 
 
 def prebuild(cache_dir: Path) -> None:
@@ -161,7 +160,7 @@ def _load_library(cache_dir: Path) -> None:
     """Build and load the machine's library (every instruction set it supports) once per process, from whichever
     cache folder asks first: torch registers an operator namespace once."""
     with _LIBRARY_LOCK:
-        if not hasattr(torch.ops.tern, "int8_mm_avx2"):
+        if not hasattr(torch.ops.tern, "q8_mm_avx2"):
             _build_and_load(cache_dir)
 
 
@@ -187,8 +186,7 @@ def _register_fakes() -> None:
     def attention_shape(q, k_cache, v_cache, context_slots, context_lens, scale):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
-    for names, shape in ((("int8_mm_avx2", "int8_mm_avx512", "int4_mm_avx2", "int4_mm_avx512", "q8_mm_avx2",
-                           "q8_mm_avx512", "bf16_mm_avx512"),
+    for names, shape in ((("q8_mm_avx2", "q8_mm_avx512", "int4_mm_avx2", "int4_mm_avx512", "bf16_mm_avx512"),
                           matmul_shape),
                          (("decode_attention_avx2", "decode_attention_avx512"), attention_shape)):
         for name in names:

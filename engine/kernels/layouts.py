@@ -1,8 +1,6 @@
 """The packed weight layouts Tern's CPU kernels read, as pure tensor functions (pack, unpack, row lookup).
 
 Kernels read weights in the order they use them, so a thread streams one sequential run of memory:
-- int8 (every instruction set): each group of 16 rows stored 4 columns at a time, [N/16][K/4][16][4], as w + 128
-  in uint8: one 64-byte line holds 4 values of 16 rows.
 - int4: per group of 8 rows and 32 columns, 160 bytes: 128 bytes of nibbles (register j of 32 bytes holds, for
   each row r at bytes 4r..4r+3, columns 8j..8j+3 in the low nibbles and 8j+4..8j+7 in the high ones), then the
   8 rows' fp16 scales d, then their fp16 minimums m. Shape uint8 [N, K * 5 / 8].
@@ -15,15 +13,9 @@ from __future__ import annotations
 
 import torch
 
-INT8_GROUP_ROWS, INT8_QUAD = 16, 4
 INT4_GROUP_ROWS, INT4_GROUP_COLS = 8, 32
 Q8_GROUP_ROWS, Q8_GROUP_COLS = 8, 32
 BF16_GROUP_ROWS, CHUNK_BYTES = 4, 64
-
-
-def can_pack_int8(weight: torch.Tensor) -> bool:
-    rows, cols = weight.shape
-    return weight.device.type == "cpu" and rows % INT8_GROUP_ROWS == 0 and cols % CHUNK_BYTES == 0
 
 
 def can_pack_int4(weight: torch.Tensor) -> bool:
@@ -39,21 +31,6 @@ def can_pack_q8(weight: torch.Tensor) -> bool:
 def can_pack_bf16(weight: torch.Tensor) -> bool:
     rows, cols = weight.shape
     return weight.device.type == "cpu" and rows % BF16_GROUP_ROWS == 0 and cols % (CHUNK_BYTES // 2) == 0
-
-
-def pack_int8(weight_int8: torch.Tensor) -> torch.Tensor:
-    """int8 [N, K] -> uint8 [N, K]: w + 128, each group of 16 rows stored 4 columns at a time."""
-    return _interleave((weight_int8.to(torch.int16) + 128).to(torch.uint8), INT8_GROUP_ROWS, INT8_QUAD)
-
-
-def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of `pack_int8`: int8 [N, K] in row order."""
-    return _unshift(_deinterleave(packed, INT8_GROUP_ROWS, INT8_QUAD))
-
-
-def int8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of a `pack_int8` matrix as int8 [*ids.shape, K] (a tied embedding's lookup)."""
-    return _unshift(_gather(packed, ids, INT8_GROUP_ROWS, INT8_QUAD))
 
 
 def pack_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

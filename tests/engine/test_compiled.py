@@ -99,10 +99,11 @@ def test_compiled_decode_gives_the_eager_twins_tokens(default_tokenizer, dtype, 
         # int8/int4 quantize activations: a fused op's last-bit difference can move a value to the next step;
         # without Tern's kernels (TERN_CPU_KERNELS=off) aten's int8pack/int4pack round them to bf16 instead, so
         # there, as in bf16, a near tie may flip (seen in 1 of 37 sequences, at its last token).
-        rounds_to_bf16 = mode != "none" and cpu_kernels().int8_mm is None
+        rounds_to_bf16 = mode != "none" and cpu_kernels().q8_mm is None
         if not rounds_to_bf16:  # fp32 throughout: exactly the eager tokens, logprobs to float rounding
             assert [ids for ids, _ in ours] == [ids for ids, _ in expected]
-        tie = 1e-4 if mode == "none" else 0.05 if rounds_to_bf16 else 2e-3
+        # (quantized: one activation moved by one int8 step shifts a logprob by up to ~4e-3 on this tiny model)
+        tie = 1e-4 if mode == "none" else 0.05 if rounds_to_bf16 else 5e-3
     _assert_same_up_to_ties(ours, expected, tie)
     flipped = sum(a != b for (a, _), (b, _) in zip(ours, expected))
     # The tiny random model is nearly uniform (logprobs ~ -10.8), so bf16 ties are common; most still agree.

@@ -36,7 +36,7 @@ def _loaded(tokenizer, path, mode: str = "none", dtype=torch.float32, model_type
 
 
 def test_the_planner_picks_native_compiled_or_eager_per_config_and_says_why(default_tokenizer, path_kernels):
-    has_native = path_kernels.int8_mm is not None and path_kernels.decode_attention is not None
+    has_native = path_kernels.q8_mm is not None and path_kernels.decode_attention is not None
     int8, kv_cache = _loaded(default_tokenizer, path_kernels, "int8")
 
     path = plan_decode_path(EngineConfig(quantization="int8", compile=True), int8, kv_cache)

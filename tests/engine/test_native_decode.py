@@ -28,7 +28,7 @@ def _engine(tokenizer, path, model_type: str, mode: str, native: bool, dtype=tor
                                                   ("llama", {"tie_word_embeddings": True})])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_native_decode_gives_the_eager_twins_tokens(default_tokenizer, path_kernels, mode, model_type, overrides):
-    require_op(path_kernels.int8_mm, "int8")
+    require_op(path_kernels.q8_mm, "q8")
     prompts = _prompts(34)
     results = {}
     for native in (False, True):
@@ -75,7 +75,7 @@ class _Sequence:
 
 def test_where_the_native_step_cannot_serve_the_engine_says_why_and_decodes_in_python(default_tokenizer):
     cpu = kernels.select(default_cache_dir())
-    cases = [("none", torch.float32, "packed int8, int4 or q8"), ("int8", torch.bfloat16, "computes in float32")]
+    cases = [("none", torch.float32, "packed q8 or int4"), ("int8", torch.bfloat16, "computes in float32")]
     for mode, dtype, reason in cases:
         _, loaded = build_tiny(tiny_config("llama"), default_tokenizer, dtype=dtype)
         quant.quantize(loaded.model, mode, loaded.device, dtype)

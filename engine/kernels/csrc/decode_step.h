@@ -5,7 +5,7 @@
 // the generated wrapper and the dispatcher took ~4-5 ms of a ~10 ms token on 2 cores, while the matmuls took ~4.5.
 // Here a step is one call: per layer RMSNorm, the qkv matmul (+ bias), Qwen3's q/k norms, RoPE, the new keys
 // and values into the paged cache, decode attention, the o matmul and residual, RMSNorm, gate_up, SiLU * up, down
-// and residual; matmuls and attention use the kernels of kernels.h (int8 per row, 4-bit or q8 weights). Activations are
+// and residual; matmuls and attention use the kernels of kernels.h (q8 or 4-bit weights). Activations are
 // float32. The math is the eager model's (engine/models/llama.py), step for step and without fused multiply-adds,
 // so the two differ only in summation order; the tests hold it to the eager model's tokens.
 #pragma once
@@ -25,11 +25,11 @@ namespace tern {
 namespace {
 
 // What a linear layer's packed weight holds; the numbers are engine/native_decode.py's WEIGHT_KINDS.
-enum class WeightKind : int64_t { kInt8 = 0, kInt4 = 1, kQ8 = 2 };
+enum class WeightKind : int64_t { kQ8 = 0, kInt4 = 1 };
 
 struct Linear {
-  WeightKind kind = WeightKind::kInt8;
-  at::Tensor packed, scales, bias;  // scales: per-row int8 weights only; bias: undefined when the layer has none
+  WeightKind kind = WeightKind::kQ8;
+  at::Tensor packed, bias;  // bias: undefined when the layer has none
   int64_t N = 0, K = 0;
 };
 
@@ -39,7 +39,7 @@ struct Layer {
   at::Tensor k_cache, v_cache;  // [slots, Hkv, D] float32, the engine's own
 };
 
-constexpr int64_t kTensorsPerLayer = 18;
+constexpr int64_t kTensorsPerLayer = 14;
 
 at::Tensor defined_or_empty(const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); }
 
@@ -47,23 +47,21 @@ const float* data(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>(
 
 class DecodeStep : public torch::CustomClassHolder {
  public:
-  // tensors: per layer input_norm, post_norm, q_norm, k_norm, then (packed, scales, bias) for qkv, o, gate_up and
-  // down, then k_cache, v_cache; an absent one is an empty tensor. kinds: per layer, the WeightKind of qkv, o,
+  // tensors: per layer input_norm, post_norm, q_norm, k_norm, then (packed, bias) for qkv, o, gate_up and down,
+  // then k_cache, v_cache; an absent one is an empty tensor. kinds: per layer, the WeightKind of qkv, o,
   // gate_up and down.
   DecodeStep(std::string isa, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
              std::vector<at::Tensor> tensors, std::vector<int64_t> kinds)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(static_cast<float>(eps)) {
     TORCH_CHECK(tensors.size() % kTensorsPerLayer == 0 && kinds.size() * kTensorsPerLayer == tensors.size() * 4,
-                "DecodeStep: 18 tensors and 4 weight kinds per layer");
+                "DecodeStep: 14 tensors and 4 weight kinds per layer");
     TORCH_CHECK(head_dim % 16 == 0, "DecodeStep: head_dim must be a multiple of 16");
     if (isa == "avx2") {
-      int8_groups_ = int8_groups_avx2;
       int4_groups_ = int4_groups_avx2;
       q8_groups_ = q8_groups_avx2;
       attention_ = decode_attention_avx2;
 #ifdef TERN_WITH_AVX512
     } else if (isa == "avx512") {
-      int8_groups_ = int8_groups_avx512;
       int4_groups_ = int4_groups_avx512;
       q8_groups_ = q8_groups_avx512;
       attention_ = decode_attention_avx512;
@@ -82,23 +80,19 @@ class DecodeStep : public torch::CustomClassHolder {
       Linear* linears[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
       for (int j = 0; j < 4; ++j) {
         Linear& linear = *linears[j];
-        TORCH_CHECK(layer_kinds[j] >= 0 && layer_kinds[j] <= 2, "DecodeStep: weight kinds are 0, 1 or 2");
+        TORCH_CHECK(layer_kinds[j] == 0 || layer_kinds[j] == 1, "DecodeStep: weight kinds are 0 (q8) or 1 (int4)");
         linear.kind = static_cast<WeightKind>(layer_kinds[j]);
-        linear.packed = t[4 + 3 * j];
-        linear.scales = defined_or_empty(t[5 + 3 * j]);
-        linear.bias = defined_or_empty(t[6 + 3 * j]);
+        linear.packed = t[4 + 2 * j];
+        linear.bias = defined_or_empty(t[5 + 2 * j]);
         linear.N = linear.packed.size(0);
-        const int64_t bytes = linear.packed.size(1);  // per row: K int8, K * 5 / 8 int4, K * 17 / 16 q8
-        linear.K = linear.kind == WeightKind::kInt4 ? bytes * 8 / 5 : linear.kind == WeightKind::kQ8 ? bytes * 16 / 17 : bytes;
+        const int64_t bytes = linear.packed.size(1);  // per row: K * 5 / 8 int4, K * 17 / 16 q8
+        linear.K = linear.kind == WeightKind::kInt4 ? bytes * 8 / 5 : bytes * 16 / 17;
         TORCH_CHECK(linear.packed.scalar_type() == at::kByte && linear.packed.is_contiguous(),
                     "DecodeStep: packed weights must be contiguous uint8");
-        TORCH_CHECK(linear.kind != WeightKind::kInt8 ||
-                        (linear.scales.defined() && linear.scales.scalar_type() == at::kFloat),
-                    "DecodeStep: int8 weights need float32 scales");
         TORCH_CHECK(!linear.bias.defined() || linear.bias.scalar_type() == at::kFloat, "DecodeStep: float32 biases");
       }
-      layer.k_cache = t[16];
-      layer.v_cache = t[17];
+      layer.k_cache = t[12];
+      layer.v_cache = t[13];
       TORCH_CHECK(layer.k_cache.scalar_type() == at::kFloat && layer.k_cache.is_contiguous() &&
                       layer.v_cache.is_contiguous() && layer.k_cache.size(1) == num_kv_heads &&
                       layer.k_cache.size(2) == head_dim,
@@ -196,11 +190,8 @@ class DecodeStep : public torch::CustomClassHolder {
   void linear(const Linear& l, const float* x, int64_t M, float* out) {
     if (l.kind == WeightKind::kInt4) {
       int4_matmul(int4_groups_, scratch_, x, false, M, l.K, l.packed.data_ptr<uint8_t>(), l.N, out);
-    } else if (l.kind == WeightKind::kQ8) {
-      q8_matmul(q8_groups_, scratch_, x, false, M, l.K, l.packed.data_ptr<uint8_t>(), l.N, out);
     } else {
-      int8_matmul(int8_groups_, scratch_, x, false, M, l.K, l.packed.data_ptr<uint8_t>(), l.scales.data_ptr(), false,
-                  l.N, out);
+      q8_matmul(q8_groups_, scratch_, x, false, M, l.K, l.packed.data_ptr<uint8_t>(), l.N, out);
     }
     if (l.bias.defined()) {
       const float* bias = l.bias.data_ptr<float>();
@@ -211,7 +202,6 @@ class DecodeStep : public torch::CustomClassHolder {
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   float eps_;
-  Int8Groups int8_groups_ = nullptr;
   Int4Groups int4_groups_ = nullptr;
   Q8Groups q8_groups_ = nullptr;
   AttentionTasks attention_ = nullptr;

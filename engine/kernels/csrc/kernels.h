@@ -24,21 +24,6 @@ struct QuantizedRows {
 // bits, and so does the PyTorch reference in the tests.
 void quantize_rows_avx2(const void* x, bool bf16, int64_t m0, int64_t m1, const QuantizedRows& q);
 
-// int8 weights, one scale per row, packed [N/16][K/4][16][4] as w + 128 (engine/kernels/layouts.py). Each
-// block's dot product is an exact integer; then acc += dot * x_scale block by block, y = acc * w_scale.
-struct Int8Problem {
-  const QuantizedRows* x;
-  int64_t M, N;
-  const uint8_t* w;
-  const void* w_scale;  // [N] float32 or bfloat16
-  bool w_scale_bf16;
-  void* out;  // [M, N] float32 or bfloat16
-  bool out_bf16;
-};
-constexpr int64_t kInt8GroupRows = 16;
-void int8_groups_avx2(const Int8Problem& p, int64_t g0, int64_t g1);
-void int8_groups_avx512(const Int8Problem& p, int64_t g0, int64_t g1);
-
 // 4-bit weights with a scale d and a minimum m per 32 values of a row (w = d * q + m, q in 0..15: GGUF's Q4_1),
 // packed per group of 8 rows and 32 columns as 128 bytes of nibbles, then 8 fp16 d, then 8 fp16 m
 // (engine/kernels/layouts.py). Activations come in blocks of 32 (Q8_1): per group

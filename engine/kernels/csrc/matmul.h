@@ -1,4 +1,4 @@
-// The int8 and int4 matmuls on raw pointers, threaded with at::parallel_for: what ops.cpp's operators and
+// The q8 and int4 matmuls on raw pointers, threaded with at::parallel_for: what ops.cpp's operators and
 // decode_step.cpp's fused layers both call. Activations are quantized first (once per call), then the weight
 // groups are split across threads.
 #pragma once
@@ -11,20 +11,9 @@
 
 namespace tern {
 
-using Int8Groups = void (*)(const Int8Problem&, int64_t, int64_t);
 using Int4Groups = void (*)(const Int4Problem&, int64_t, int64_t);
 using Q8Groups = void (*)(const Q8Problem&, int64_t, int64_t);
 using AttentionTasks = void (*)(const AttentionProblem&, int64_t, int64_t);
-
-constexpr int64_t kInt8Chunk = 64;  // int8 activation blocks are whole multiples of 64 values
-
-// Activations share one scale per block of up to 256 values (as llama.cpp's Q8_K): the largest of 256, 192,
-// 128, 64 that divides K. Fewer scalings per weight is what makes a batch of rows cheap.
-inline int64_t int8_activation_block(int64_t K) {
-  for (int64_t chunks : {4, 3, 2})
-    if (K % (chunks * kInt8Chunk) == 0) return chunks * kInt8Chunk;
-  return kInt8Chunk;
-}
 
 // Reusable buffers for quantized activations (resized, never shrunk).
 struct QuantizedScratch {
@@ -41,15 +30,6 @@ struct QuantizedScratch {
     return rows;
   }
 };
-
-// out [M, N] = x [M, K] @ w.T for an int8 weight packed [N/16][K/4][16][4] with one scale per row.
-inline void int8_matmul(Int8Groups groups, QuantizedScratch& scratch, const void* x, bool x_bf16, int64_t M,
-                        int64_t K, const uint8_t* w, const void* w_scale, bool scale_bf16, int64_t N, void* out) {
-  if (M == 0) return;
-  const QuantizedRows q = scratch.quantize(x, x_bf16, M, K, int8_activation_block(K));
-  const Int8Problem p{&q, M, N, w, w_scale, scale_bf16, out, x_bf16};
-  at::parallel_for(0, N / kInt8GroupRows, 4, [&](int64_t g0, int64_t g1) { groups(p, g0, g1); });
-}
 
 // out [M, N] = x [M, K] @ w.T for a 4-bit weight packed per 8 rows and 32 columns (kernels.h).
 inline void int4_matmul(Int4Groups groups, QuantizedScratch& scratch, const void* x, bool x_bf16, int64_t M,

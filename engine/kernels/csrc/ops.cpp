@@ -24,24 +24,6 @@ void check_activations(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op, ": x must be bfloat16 or float32");
 }
 
-template <Int8Groups Groups>
-at::Tensor int8_mm(const at::Tensor& x_in, const at::Tensor& w_packed, const at::Tensor& w_scale) {
-  const at::Tensor x = x_in.contiguous();
-  check_activations(x, "int8_mm");
-  TORCH_CHECK(w_packed.dim() == 2 && x.size(1) == w_packed.size(1), "int8_mm: x must be [M, K] and w_packed [N, K]");
-  TORCH_CHECK(w_packed.scalar_type() == at::kByte && w_packed.is_contiguous(), "int8_mm: w_packed must be packed uint8");
-  TORCH_CHECK((w_scale.scalar_type() == at::kFloat || w_scale.scalar_type() == at::kBFloat16) &&
-              w_scale.is_contiguous() && w_scale.numel() == w_packed.size(0),
-              "int8_mm: w_scale must be float32 or bfloat16 [N]");
-  const int64_t M = x.size(0), K = x.size(1), N = w_packed.size(0);
-  TORCH_CHECK(K % kInt8Chunk == 0 && N % kInt8GroupRows == 0, "int8_mm: K must be a multiple of 64 and N of 16");
-  at::Tensor out = at::empty({M, N}, x.options());
-  QuantizedScratch scratch;
-  int8_matmul(Groups, scratch, x.data_ptr(), x.scalar_type() == at::kBFloat16, M, K, w_packed.data_ptr<uint8_t>(),
-              w_scale.data_ptr(), w_scale.scalar_type() == at::kBFloat16, N, out.data_ptr());
-  return out;
-}
-
 // w_packed: uint8 [N, K * 5 / 8], 160 bytes per group of 8 rows and 32 columns (kernels.h).
 template <Int4Groups Groups>
 at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
@@ -122,13 +104,11 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, c
 }  // namespace tern
 
 TORCH_LIBRARY(tern, m) {
-  m.def("int8_mm_avx2(Tensor x, Tensor w_packed, Tensor w_scale) -> Tensor");
   m.def("int4_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q8_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("decode_attention_avx2(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, Tensor context_lens, "
         "float scale) -> Tensor");
 #ifdef TERN_WITH_AVX512
-  m.def("int8_mm_avx512(Tensor x, Tensor w_packed, Tensor w_scale) -> Tensor");
   m.def("int4_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q8_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("decode_attention_avx512(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, "
@@ -146,12 +126,10 @@ TORCH_LIBRARY_FRAGMENT(tern, m) {
 }
 
 TORCH_LIBRARY_IMPL(tern, CPU, m) {
-  m.impl("int8_mm_avx2", &tern::int8_mm<tern::int8_groups_avx2>);
   m.impl("int4_mm_avx2", &tern::int4_mm<tern::int4_groups_avx2>);
   m.impl("q8_mm_avx2", &tern::q8_mm<tern::q8_groups_avx2>);
   m.impl("decode_attention_avx2", &tern::decode_attention_op<tern::decode_attention_avx2>);
 #ifdef TERN_WITH_AVX512
-  m.impl("int8_mm_avx512", &tern::int8_mm<tern::int8_groups_avx512>);
   m.impl("int4_mm_avx512", &tern::int4_mm<tern::int4_groups_avx512>);
   m.impl("q8_mm_avx512", &tern::q8_mm<tern::q8_groups_avx512>);
   m.impl("decode_attention_avx512", &tern::decode_attention_op<tern::decode_attention_avx512>);

@@ -5,11 +5,6 @@ from __future__ import annotations
 import torch
 
 
-def int8_activation_block(cols: int) -> int:
-    """Values per activation scale in the int8 kernels: the largest of 256, 192, 128 that divides the row, else 64."""
-    return next((size for size in (256, 192, 128) if cols % size == 0), 64)
-
-
 def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (int8 [M, K/block, block], float32 scales [M, K/block]), rounded as the kernels round."""
     rows, cols = x.shape
@@ -20,17 +15,6 @@ def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
     inverse = torch.where(absmax > 0, limit / absmax, torch.zeros_like(absmax))
     quantized = torch.round(values * inverse.unsqueeze(-1)).to(torch.int8)  # half to even, as the kernels
     return quantized, (absmax / limit).contiguous()
-
-
-def int8_matmul(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (bf16/fp32) times int8 [N, K] with one scale per row: [M, N] in x's dtype."""
-    quantized, x_scales = quantize_activations(x, int8_activation_block(x.shape[1]))
-    rows, blocks, block = quantized.shape
-    acc = torch.zeros(rows, weight_int8.shape[0])
-    for b in range(blocks):
-        dot = quantized[:, b].long() @ weight_int8[:, b * block:(b + 1) * block].long().t()
-        acc = acc + dot.float() * x_scales[:, b:b + 1]
-    return (acc * scales.float()).to(x.dtype)
 
 
 def int4_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ def test_the_environment_variable_forces_a_path_the_cpu_supports(monkeypatch, ca
     if forced == "off":  # nothing to build: the fallback is taken, and said at WARNING level
         with caplog.at_level(logging.INFO, logger="engine.kernels.dispatch"):
             selected = kernels.select(tmp_path)
-        assert selected.path == "off" and selected.int8_mm is None and selected.decode_attention is None
+        assert selected.path == "off" and selected.q8_mm is None and selected.decode_attention is None
         [record] = [r for r in caplog.records if r.name == "engine.kernels.dispatch"]
         assert record.levelno == logging.WARNING and "int8: aten" in record.getMessage()
 

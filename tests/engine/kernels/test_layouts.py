@@ -8,13 +8,18 @@ from engine import quant
 from engine.kernels import layouts
 
 
-def test_int8_layout_round_trips_and_rows_read_from_it():
-    weight = torch.randint(-127, 128, (32, 192), dtype=torch.int8)
-    packed = layouts.pack_int8(weight)
-    assert packed.dtype == torch.uint8 and packed.shape == weight.shape and not torch.equal(packed.view(torch.int8), weight)
-    assert torch.equal(layouts.unpack_int8(packed), weight)
-    ids = torch.tensor([[0, 5, 31], [17, 17, 7]])
-    assert torch.equal(layouts.int8_rows(packed, ids), weight[ids])
+def test_q8_layout_round_trips_is_eight_and_a_half_bits_a_weight_and_rows_read_from_it():
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randint(-128, 128, (24, 96), dtype=torch.int8, generator=generator)
+    d = torch.rand(24, 3, generator=generator).half()
+    packed = layouts.pack_q8(q, d)
+    assert packed.dtype == torch.uint8 and packed.shape == (24, 96 * 17 // 16)  # 8 bits + one fp16 per 32 values
+    q2, d2 = layouts.unpack_q8(packed)
+    assert torch.equal(q2, q) and torch.equal(d2, d)
+    expected = (q.float().reshape(24, 3, 32) * d.float()[..., None]).reshape(24, 96)
+    assert torch.equal(layouts.dequantize_q8(packed), expected)
+    ids = torch.tensor([[0, 5, 23], [17, 17, 7]])
+    assert torch.equal(layouts.q8_rows(packed, ids), expected[ids])
 
 
 def test_int4_layout_round_trips_and_is_five_bits_a_weight():

@@ -13,7 +13,6 @@ from engine.kernels import layouts
 import reference
 from conftest import require_op as require
 
-SHAPES = [(16, 64), (32, 192), (48, 320), (112, 576), (576, 1536)]  # (N, K): int8 activation blocks 64, 192, 64, 192, 256
 ROWS = [1, 2, 3, 5, 17, 40, 300]  # tiles of 4 rows, with every remainder
 
 
@@ -24,30 +23,12 @@ def _activations(rows: int, k: int, dtype: torch.dtype, generator) -> torch.Tens
     return x
 
 
-def _int8_case(rows, n, k, dtype, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
-    scales = (torch.rand(n, generator=generator) / 100).to(dtype)
-    return _activations(rows, k, dtype, generator), weight, scales
-
-
 def _int4_case(rows, n, k, dtype, seed=0):
     generator = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator)
     d = (torch.rand(n, k // 32, generator=generator) / 50).half()
     m = (-torch.rand(n, k // 32, generator=generator) / 5).half()
     return _activations(rows, k, dtype, generator), q, d, m
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", ROWS)
-def test_int8_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows):
-    int8_mm = require(path_kernels.int8_mm, "int8")
-    for n, k in SHAPES:
-        x, weight, scales = _int8_case(rows, n, k, dtype, seed=rows)
-        out = int8_mm(x, layouts.pack_int8(weight), scales)
-        assert out.dtype == dtype and out.shape == (rows, n)
-        assert torch.equal(out, reference.int8_matmul(x, weight, scales)), (n, k)
 
 
 def _q8_case(rows, n, k, dtype, seed=0):
@@ -81,15 +62,12 @@ def test_int4_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows)
 
 def test_a_row_gets_the_same_bits_alone_as_in_any_batch(path_kernels):
     """What makes a sequence's tokens independent of the other sequences sharing its steps."""
-    int8_mm, int4_mm = require(path_kernels.int8_mm, "int8"), require(path_kernels.int4_mm, "int4")
-    q8_mm = require(path_kernels.q8_mm, "q8")
-    x, weight, scales = _int8_case(37, 112, 576, torch.float32)
-    _, q, d, m = _int4_case(37, 112, 576, torch.float32)
+    q8_mm, int4_mm = require(path_kernels.q8_mm, "q8"), require(path_kernels.int4_mm, "int4")
+    x, q, d, m = _int4_case(37, 112, 576, torch.float32)
     _, q8, d8 = _q8_case(37, 112, 576, torch.float32)
-    packed8, packed4, packed_q8 = layouts.pack_int8(weight), layouts.pack_int4(q, d, m), layouts.pack_q8(q8, d8)
-    batch8, batch4, batch_q8 = int8_mm(x, packed8, scales), int4_mm(x, packed4), q8_mm(x, packed_q8)
+    packed4, packed_q8 = layouts.pack_int4(q, d, m), layouts.pack_q8(q8, d8)
+    batch4, batch_q8 = int4_mm(x, packed4), q8_mm(x, packed_q8)
     for row in (0, 5, 36):
-        assert torch.equal(int8_mm(x[row:row + 1], packed8, scales)[0], batch8[row])
         assert torch.equal(int4_mm(x[row:row + 1], packed4)[0], batch4[row])
         assert torch.equal(q8_mm(x[row:row + 1], packed_q8)[0], batch_q8[row])
 
@@ -137,26 +115,28 @@ def test_the_layer_each_path_builds_computes_the_quantized_product(path_kernels,
 
 
 def test_kernels_run_inside_a_compiled_graph(path_kernels):
-    int8_mm, int4_mm = require(path_kernels.int8_mm, "int8"), require(path_kernels.int4_mm, "int4")
-    x, weight, scales = _int8_case(3, 112, 576, torch.float32)
-    _, q, d, m = _int4_case(3, 112, 576, torch.float32)
-    packed8, packed4 = layouts.pack_int8(weight), layouts.pack_int4(q, d, m)
+    q8_mm, int4_mm = require(path_kernels.q8_mm, "q8"), require(path_kernels.int4_mm, "int4")
+    x, q, d, m = _int4_case(3, 112, 576, torch.float32)
+    _, q8, d8 = _q8_case(3, 112, 576, torch.float32)
+    packed_q8, packed4 = layouts.pack_q8(q8, d8), layouts.pack_int4(q, d, m)
 
     def block(x):
-        return torch.relu(int8_mm(x, packed8, scales)) * 2 + int4_mm(x, packed4)
+        return torch.relu(q8_mm(x, packed_q8)) * 2 + int4_mm(x, packed4)
 
     compiled = torch.compile(block, fullgraph=True)
     assert torch.equal(compiled(x), block(x))
 
 
 def test_shapes_the_kernels_cannot_take_are_refused_with_a_message(path_kernels):
-    int8_mm, int4_mm = require(path_kernels.int8_mm, "int8"), require(path_kernels.int4_mm, "int4")
-    with pytest.raises(RuntimeError, match="multiple of 64"):
-        int8_mm(torch.randn(2, 96), torch.zeros(16, 96, dtype=torch.uint8), torch.ones(16))
+    q8_mm, int4_mm = require(path_kernels.q8_mm, "q8"), require(path_kernels.int4_mm, "int4")
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        q8_mm(torch.randn(2, 48), torch.zeros(8, 51, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="K \\* 17 / 16"):
+        q8_mm(torch.randn(2, 64), torch.zeros(8, 64, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="K \\* 5 / 8"):
         int4_mm(torch.randn(2, 64), torch.zeros(8, 30, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
-        int8_mm(torch.randn(2, 64).half(), torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16))
+        q8_mm(torch.randn(2, 64).half(), torch.zeros(8, 68, dtype=torch.uint8))
 
 
 def _bf16_case(rows: int, n: int, k: int, seed: int = 0):
