@@ -186,11 +186,12 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
     """The FastAPI app; /health says 503 until the engine has loaded. `handle`: one whose engine is already loading
     (main starts it first, so the weights load while the web app is imported and built); without one the app's
     lifespan starts loading it."""
-    import gradio as gr
     from fastapi import FastAPI
 
     from api import APICORSMiddleware, BodySizeLimitMiddleware, RequestIDMiddleware, build_router, install_error_handlers
-    from ui import LOGIN_MESSAGE, build_ui, key_login
+    from ui import LOGIN_MESSAGE, build_ui, key_login  # before Gradio: ui imports it without its stub writing
+
+    import gradio as gr
 
     server = server or ServerSettings()
     engine_config = engine_config or EngineConfig()

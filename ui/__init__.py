@@ -2,10 +2,41 @@
 from __future__ import annotations
 
 import hmac
+import importlib.abc
+import importlib.util
+import sys
 from collections.abc import Callable
 from functools import partial
 
-import gradio as gr
+
+class _NoStubWriting(importlib.abc.MetaPathFinder):
+    """Importing Gradio (6.31, requirements.txt) re-parses each component's source file and its .pyi stub, to keep
+    the stubs in step for type checkers, every time: ~1 s of a server's start on 2 cores, for files it then finds
+    unchanged. This finder hands out gradio.component_meta with that step (create_or_modify_pyi) a no-op; nothing
+    else changes. Remove it once Gradio skips that step itself (its slow import: gradio-app/gradio#7791)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "gradio.component_meta":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run_module = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            run_module(module)
+            if hasattr(module, "create_or_modify_pyi"):
+                module.create_or_modify_pyi = lambda *args, **kwargs: None
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if "gradio" not in sys.modules:
+    sys.meta_path.insert(0, _NoStubWriting())
+
+import gradio as gr  # noqa: E402
 
 from engine import EngineHandle
 from ui.chat import build_chat_tab
