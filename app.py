@@ -270,7 +270,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _load_engine(handle: EngineHandle, config: EngineConfig) -> None:
     try:
-        handle.set_engine(Engine(config).start())
+        engine = Engine(config).start()
+        if engine.decode_step == "compiling":
+            # Ready means full speed: until the compiled step is built the eager one would serve at a fifth of its
+            # speed, with the compile taking the cores from it, so /health says 503 until it is done.
+            logger.info("building the compiled decode step before serving (seconds when the inductor cache has it, "
+                        "minutes on a machine's first start)")
+            engine.wait_for_compiled_decode()
+        handle.set_engine(engine)
     except ModelLoadError as exc:
         logger.error("model failed to load: %s", exc.message)
         handle.set_error(exc.message)

@@ -70,6 +70,12 @@ class _EngineCollector:
             value=stats.num_prefix_cache_hits,
         )
         yield CounterMetricFamily("tern_engine_steps", "Model steps run, for the API and the UI", value=stats.num_steps)
+        decode_steps = CounterMetricFamily(
+            "tern_decode_steps", "Decode steps run, by the step that ran them (native, compiled, graphs, eager)",
+            labels=["step"])
+        for step, count in sorted(stats.decode_steps.items()):
+            decode_steps.add_metric([step], count)
+        yield decode_steps
         yield CounterMetricFamily(
             "tern_engine_generated_tokens", "Tokens sampled, for the API and the UI", value=stats.num_generated_tokens
         )

@@ -3,8 +3,8 @@ that builds the runner to follow it (build_runner). Per step, ModelRunner.run pi
 
 Decode steps (every sequence adds one token: the steady state of serving) run on one of, fastest first:
 - `native`: the C++ step (engine/native_decode.py): CPU, float32, int8/int4 weights packed for a kernel path;
-- `compiled`: the model's forward under torch.compile (engine/compiled.py); on CPU it builds in the background
-  while the eager step serves;
+- `compiled`: the model's forward under torch.compile (engine/compiled.py); on CPU it builds on a thread of its
+  own while the eager step serves (the server says ready only once it is built: app.py);
 - `eager`: the model's own forward, the twin the other steps are tested against.
 On CUDA, decode steps replay CUDA graphs (engine/cuda_graphs.py) of the compiled or eager step. On CPU, decode
 steps' attention reads the KV cache in place with Tern's kernel (engine.kernels) where the kernel path has one.

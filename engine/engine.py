@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,6 +50,7 @@ class EngineStats:
     num_steps: int = 0  # model steps run since start, for every caller (the API, the UI, scoring)
     num_generated_tokens: int = 0  # tokens sampled since start, for every caller
     num_kv_blocks_reserved: int = 0  # held by the engine itself: the compiled decode step's warm-up, while it runs
+    decode_steps: dict[str, int] = field(default_factory=dict)  # decode steps run, by what ran them (Runner)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -335,6 +336,7 @@ class Engine:
             self._num_steps,
             self._num_generated_tokens,
             reserved,
+            dict(self.runner.decode_steps),
         )
 
     def cached_prefix_hashes(self) -> list[bytes]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol
 
@@ -46,6 +47,10 @@ class Runner(Protocol):
     def decode_graphs(self) -> bool:
         """Whether decode steps replay captured CUDA graphs."""
 
+    # Decode steps run so far, by what ran them ("graphs", "native", "compiled", "eager"): what /metrics shows, so
+    # a client can tell which step served its request (e.g. that the first request after ready ran full speed).
+    decode_steps: Counter
+
     @property
     def num_reserved_blocks(self) -> int:
         """KV blocks the runner holds for itself: the compiled step's warm-up, until the engine thread frees them."""
@@ -79,6 +84,7 @@ class ModelRunner:
         if path.step == "compiled":
             self.compiled = CompiledDecode(model, self.warm_up, allocator, path.is_compiled_in_background, on_compiled)
         self.graphs = self._build_graphs(max_model_len) if path.graphs else None
+        self.decode_steps: Counter = Counter()
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepLogits:
@@ -92,6 +98,7 @@ class ModelRunner:
             if self.graphs.covers(len(positions), max(positions) + 1):
                 token_ids = [seq.token_ids[p] for seq, p in zip(batch.seqs, positions)]
                 logits = self.graphs.run(token_ids, positions, [seq.block_table for seq in batch.seqs])
+                self.decode_steps["graphs"] += 1
                 if not all(batch.samples):
                     logits = logits[[i for i, s in enumerate(batch.samples) if s]]
                 return StepLogits(logits, {})
@@ -103,6 +110,9 @@ class ModelRunner:
         elif is_decode and compiled_forward is not None:
             compiled.mark_dynamic(input_ids, positions, meta)
             forward = compiled_forward
+        if is_decode:
+            self.decode_steps["native" if forward is self.native_step else
+                              "compiled" if forward is compiled_forward else "eager"] += 1
         hidden = forward(input_ids, positions, self.kv_layers, meta)
         return _select_logits(self.model, hidden, batch)
 

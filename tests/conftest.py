@@ -231,12 +231,12 @@ def stop_server(process: subprocess.Popen) -> None:
 @pytest.fixture(scope="session")
 def live_server(default_checkpoint):
     """The real server on the default model in fp32 and unquantized (its answers are transformers'), compiling its
-    decode step in the background as the server does by default; shared by the end-to-end tests. Yields its base
+    decode step before it says ready as the server does by default; shared by the end-to-end tests. Yields its base
     URL."""
     process, base_url, log_path = start_server("--dtype", "float32", "--quantization", "none", log_name="live-server")
     SERVER_PIDS[base_url] = process.pid
     try:
-        wait_healthy(process, base_url, log_path)
+        wait_healthy(process, base_url, log_path, timeout_s=900)  # a cold inductor cache: minutes on 2 cores
         yield base_url
     finally:
         stop_server(process)

@@ -5,6 +5,8 @@ whole sequence through transformers at every step, so it is correct but much slo
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from engine.runner import StepLogits
@@ -23,6 +25,7 @@ class RecomputeRunner:
         self.model = model
         self.device = device
         self.pad_token_id = pad_token_id
+        self.decode_steps: Counter = Counter()
 
     def free_reserved_blocks(self) -> None:
         pass
@@ -32,6 +35,8 @@ class RecomputeRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepLogits:
+        if batch.is_decode:
+            self.decode_steps["eager"] += 1
         ends = [seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_new_tokens)]
         width = max(ends)
         input_ids = torch.full((len(ends), width), self.pad_token_id, dtype=torch.long)

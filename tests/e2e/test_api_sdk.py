@@ -48,9 +48,8 @@ def test_the_served_model_is_listed_and_described(client, model):
     assert card.model_extra["max_model_len"] >= 2048
     assert card.model_extra["quantization"] == "none" and card.model_extra["dtype"] == "float32"
     assert card.model_extra["weight_ratio_to_bf16"] == pytest.approx(2.0, rel=0.01)  # fp32 weights, 2x bf16
-    # The server compiles its decode step in the background by default; the eager step serves meanwhile.
-    assert card.model_extra["decode_step"] in ("compiling", "compiled")
-    assert card.model_extra["compiled_decode"] is (card.model_extra["decode_step"] == "compiled")
+    # fp32 weights without a kernel layout: the compiled step, built before /health said ready.
+    assert card.model_extra["decode_step"] == "compiled" and card.model_extra["compiled_decode"] is True
     assert card.model_extra["cpu_kernels"].split(" ")[0] in ("avx512", "avx2", "off")
     assert client.models.retrieve(model).id == card.id
     with pytest.raises(openai.NotFoundError) as caught:
@@ -359,3 +358,13 @@ def test_the_async_client_runs_everything_concurrently(live_server, model):
     assert models.data[0].id == model
     assert chat.choices[0].message.content == streamed == ANSWER
     assert completion.choices[0].text == streamed_text == " Paris."
+
+
+def test_every_decode_step_since_ready_ran_compiled(client, model, live_server):
+    """Ready means full speed: the first request after /health said 200 (and every one since, whichever test ran
+    first in this module) decoded on the compiled step, never on the eager one a fifth as fast."""
+    ask(client, model, max_tokens=8)
+    samples = {line.split(" ")[0]: float(line.split(" ")[1])
+               for line in httpx.get(f"{live_server}/metrics").text.splitlines() if line.startswith("tern_decode_steps")}
+    assert samples.get('tern_decode_steps_total{step="compiled"}', 0) >= 7
+    assert samples.get('tern_decode_steps_total{step="eager"}', 0) == 0, samples
