@@ -58,91 +58,90 @@ class Int8Embedding(nn.Module):
         return self.weight_int8[input_ids].to(self.scales.dtype) * self.scales[input_ids].unsqueeze(-1)
 
 
-class Int4Linear(nn.Module):
-    """4-bit weights, w = d * q + m per 32 values of a row (GGUF's Q4_1), held in layouts.pack_int4's layout.
-    Its forward de-quantizes the whole matrix: the slow, plain twin of the kernels, for tests and devices
-    without one."""
+class _BlockLinear(nn.Module):
+    """A weight in one of the block layouts (layouts.pack_int4, pack_q8: 8 rows and 32 columns a block, scales
+    inside), with its plain forward: de-quantize the whole matrix and multiply, the slow twin of the kernels, for
+    tests and devices without them. `PACKED_BYTES` is (bytes, values): a row of K values takes K * bytes / values."""
+
+    PACKED_BYTES: tuple[int, int]
+    dequantize: Callable[[torch.Tensor], torch.Tensor]
 
     def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 8 // 5
+        size, values = self.PACKED_BYTES
+        self.out_features, self.in_features = packed.shape[0], packed.shape[1] * values // size
         self.register_buffer("weight_packed", packed)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layouts.dequantize_int4(self.weight_packed).to(x.dtype), self.bias)
+        return F.linear(x, self.dequantize(self.weight_packed).to(x.dtype), self.bias)
 
 
-class Int4Embedding(nn.Module):
-    """Row lookup in a 4-bit matrix (layouts.pack_int4's layout): a GGUF's 4-bit token embedding, and the matrix a
-    4-bit lm_head is tied to."""
+class _KernelForward:
+    """The forward of a packed layer: Tern's kernel for the layout, given at construction (engine.kernels)."""
 
-    def __init__(self, weight_packed: torch.Tensor, padding_idx: int | None = None) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = weight_packed.shape[0], weight_packed.shape[1] * 8 // 5
-        self.padding_idx = padding_idx
-        self.register_buffer("weight_packed", weight_packed)
-        # Empty, cast with the model as float buffers are: the dtype the rows come out in.
-        self.register_buffer("out_dtype", torch.empty(0), persistent=False)
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, matmul: Callable) -> None:
+        super().__init__(packed, bias)
+        self.matmul = matmul
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return layouts.int4_rows(self.weight_packed, input_ids).to(self.out_dtype.dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matmul(x.reshape(-1, x.shape[-1]), self.weight_packed)
+        out = out if self.bias is None else out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
 
 
-class PackedInt4Linear(Int4Linear):
+class Int4Linear(_BlockLinear):
+    """4-bit weights, w = d * q + m per 32 values of a row (GGUF's Q4_1), held in layouts.pack_int4's layout."""
+
+    PACKED_BYTES = (5, 8)
+    dequantize = staticmethod(layouts.dequantize_int4)
+
+
+class PackedInt4Linear(_KernelForward, Int4Linear):
     """Int4Linear multiplied by Tern's 4-bit kernel (activations quantized per 32 values, as llama.cpp's Q8_1)."""
 
-    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, matmul: Callable) -> None:
-        super().__init__(packed, bias)
-        self.matmul = matmul
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.matmul(x.reshape(-1, x.shape[-1]), self.weight_packed)
-        out = out if self.bias is None else out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-
-class Q8Linear(nn.Module):
+class Q8Linear(_BlockLinear):
     """int8 weights with one fp16 scale per 32 values of a row, w = d * q (GGUF's Q8_0), held in layouts.pack_q8's
-    layout. Its forward de-quantizes the whole matrix: the slow, plain twin of the q8 kernels, for tests."""
+    layout."""
 
-    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = packed.shape[0], packed.shape[1] * 16 // 17
-        self.register_buffer("weight_packed", packed)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layouts.dequantize_q8(self.weight_packed).to(x.dtype), self.bias)
+    PACKED_BYTES = (17, 16)
+    dequantize = staticmethod(layouts.dequantize_q8)
 
 
-class PackedQ8Linear(Q8Linear):
-    """Q8Linear multiplied by Tern's q8 kernel (activations quantized per 32 values)."""
-
-    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, matmul: Callable) -> None:
-        super().__init__(packed, bias)
-        self.matmul = matmul
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.matmul(x.reshape(-1, x.shape[-1]), self.weight_packed)
-        out = out if self.bias is None else out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+class PackedQ8Linear(_KernelForward, Q8Linear):
+    """Q8Linear multiplied by Tern's q8 kernel (activations quantized per 32 values, as llama.cpp's Q8_0)."""
 
 
-class Q8Embedding(nn.Module):
-    """Row lookup in a q8 matrix (layouts.pack_q8's layout): a GGUF's Q8_0 token embedding, and the matrix a q8
-    lm_head is tied to."""
+class _BlockEmbedding(nn.Module):
+    """Row lookup in a block-layout matrix: a GGUF's 4-bit or Q8_0 token embedding, and the matrix a block-layout
+    lm_head is tied to. `rows` reads rows `ids` of the layout as float32."""
+
+    PACKED_BYTES: tuple[int, int]
+    rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
     def __init__(self, weight_packed: torch.Tensor, padding_idx: int | None = None,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.num_embeddings, self.embedding_dim = weight_packed.shape[0], weight_packed.shape[1] * 16 // 17
+        size, values = self.PACKED_BYTES
+        self.num_embeddings, self.embedding_dim = weight_packed.shape[0], weight_packed.shape[1] * values // size
         self.padding_idx = padding_idx
         self.register_buffer("weight_packed", weight_packed)
-        self.register_buffer("out_dtype", torch.empty(0, dtype=dtype), persistent=False)  # as Int4Embedding's
+        # Empty, cast with the model as float buffers are: the dtype the rows come out in.
+        self.register_buffer("out_dtype", torch.empty(0, dtype=dtype), persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return layouts.q8_rows(self.weight_packed, input_ids).to(self.out_dtype.dtype)
+        return self.rows(self.weight_packed, input_ids).to(self.out_dtype.dtype)
+
+
+class Int4Embedding(_BlockEmbedding):
+    PACKED_BYTES = Int4Linear.PACKED_BYTES
+    rows = staticmethod(layouts.int4_rows)
+
+
+class Q8Embedding(_BlockEmbedding):
+    PACKED_BYTES = Q8Linear.PACKED_BYTES
+    rows = staticmethod(layouts.q8_rows)
 
 
 class AtenInt4Linear(nn.Module):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 INT4_GROUP_ROWS, INT4_GROUP_COLS = 8, 32
-Q8_GROUP_ROWS, Q8_GROUP_COLS = 8, 32
+Q8_GROUP_ROWS, Q8_GROUP_COLS = INT4_GROUP_ROWS, INT4_GROUP_COLS  # the same blocks: one row lookup serves both
 BF16_GROUP_ROWS, CHUNK_BYTES = 4, 64
 
 
@@ -70,15 +70,8 @@ def dequantize_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def int4_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of a `pack_int4` matrix de-quantized to float32 [*ids.shape, K] (a 4-bit embedding's lookup):
-    each id's group of 8 rows is contiguous, so those groups are gathered and de-quantized, and the row picked."""
-    rows, packed_cols = packed.shape
-    flat = ids.reshape(-1)
-    groups = packed.view(rows // INT4_GROUP_ROWS, INT4_GROUP_ROWS * packed_cols)[flat // INT4_GROUP_ROWS]
-    values = dequantize_int4(groups.reshape(-1, packed_cols)).reshape(flat.numel(), INT4_GROUP_ROWS, -1)
-    picked = values[torch.arange(flat.numel()), flat % INT4_GROUP_ROWS]
-    return picked.reshape(*ids.shape, -1)
-
+    """Rows `ids` of a `pack_int4` matrix de-quantized to float32 [*ids.shape, K] (a 4-bit embedding's lookup)."""
+    return _block_rows(packed, ids, dequantize_int4)
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """q int8 [N, K], d fp16 [N, K/32] (w = d * q) -> uint8 [N, K * 17 / 16]."""
@@ -111,13 +104,18 @@ def dequantize_q8(packed: torch.Tensor) -> torch.Tensor:
 
 def q8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of a `pack_q8` matrix de-quantized to float32 [*ids.shape, K] (a q8 embedding's lookup)."""
+    return _block_rows(packed, ids, dequantize_q8)
+
+
+def _block_rows(packed: torch.Tensor, ids: torch.Tensor, dequantize) -> torch.Tensor:
+    """Rows `ids` of a block layout (int4, q8: groups of 8 rows) de-quantized to float32: each id's group of 8 rows
+    is contiguous, so those groups are gathered and de-quantized, and the row picked."""
     rows, packed_cols = packed.shape
     flat = ids.reshape(-1)
-    groups = packed.view(rows // Q8_GROUP_ROWS, Q8_GROUP_ROWS * packed_cols)[flat // Q8_GROUP_ROWS]
-    values = dequantize_q8(groups.reshape(-1, packed_cols)).reshape(flat.numel(), Q8_GROUP_ROWS, -1)
-    picked = values[torch.arange(flat.numel()), flat % Q8_GROUP_ROWS]
+    groups = packed.view(rows // INT4_GROUP_ROWS, INT4_GROUP_ROWS * packed_cols)[flat // INT4_GROUP_ROWS]
+    values = dequantize(groups.reshape(-1, packed_cols)).reshape(flat.numel(), INT4_GROUP_ROWS, -1)
+    picked = values[torch.arange(flat.numel()), flat % INT4_GROUP_ROWS]
     return picked.reshape(*ids.shape, -1)
-
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> the bf16 kernel's layout, same dtype and shape: each group of 4 rows stored 64-byte chunk by chunk."""

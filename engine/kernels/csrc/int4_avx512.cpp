@@ -24,17 +24,6 @@ constexpr int kTileRows = 4;  // activation rows sharing each weight load
 // past a row group's end touches the next group's lines, which are read next anyway.
 constexpr int64_t kPrefetchBlocks = 4;
 
-inline __m512i two_groups(const uint8_t* a, const uint8_t* b) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
-}
-
-inline __m512 two_fp16_rows(const uint8_t* a, const uint8_t* b) {
-  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
-  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
-}
-
 // out[m, rows n0..n0+15] for MB activation rows against groups wa (rows n0..n0+7) and wb (n0+8..n0+15).
 template <int MB>
 inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, int64_t n0) {
@@ -56,7 +45,7 @@ inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa, const
       x[m] = reinterpret_cast<const int32_t*>(q.values + (m0 + m) * q.K + c * kInt4GroupCols);
     }
     for (int j = 0; j < 4; ++j) {
-      const __m512i packed = two_groups(ca + 32 * j, cb + 32 * j);
+      const __m512i packed = avx512::two_groups(ca + 32 * j, cb + 32 * j);
       const __m512i lo = _mm512_and_si512(packed, low);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
       for (int m = 0; m < MB; ++m) {
@@ -64,8 +53,8 @@ inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa, const
         dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(x[m][2 * j + 1]));
       }
     }
-    const __m512 d = two_fp16_rows(ca + 128, cb + 128);
-    const __m512 minimum = two_fp16_rows(ca + 144, cb + 144);
+    const __m512 d = avx512::two_fp16_rows(ca + 128, cb + 128);
+    const __m512 minimum = avx512::two_fp16_rows(ca + 144, cb + 144);
     for (int m = 0; m < MB; ++m) {
       const int64_t block = (m0 + m) * q.blocks + c;
       const float x_scale = q.scales[block];

@@ -19,17 +19,6 @@ namespace {
 constexpr int kTileRows = 4;  // activation rows sharing each weight load
 constexpr int64_t kPrefetchBlocks = 4;  // as the int4 kernel: both streams 4 blocks ahead
 
-inline __m512i two_groups(const uint8_t* a, const uint8_t* b) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
-}
-
-inline __m512 two_fp16_rows(const uint8_t* a, const uint8_t* b) {
-  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
-  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
-}
-
 // out[m, rows n0..n0+15] for MB activation rows against groups wa (rows n0..n0+7) and wb (n0+8..n0+15).
 template <int MB>
 inline void pair_rows(const Q8Problem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, int64_t n0) {
@@ -50,10 +39,10 @@ inline void pair_rows(const Q8Problem& p, int64_t m0, const uint8_t* wa, const u
       x[m] = reinterpret_cast<const int32_t*>(q.values + (m0 + m) * q.K + c * kQ8GroupCols);
     }
     for (int j = 0; j < 8; ++j) {
-      const __m512i w = two_groups(ca + 32 * j, cb + 32 * j);
+      const __m512i w = avx512::two_groups(ca + 32 * j, cb + 32 * j);
       for (int m = 0; m < MB; ++m) dot[m] = _mm512_dpbusd_epi32(dot[m], w, _mm512_set1_epi32(x[m][j]));
     }
-    const __m512 d = two_fp16_rows(ca + 256, cb + 256);
+    const __m512 d = avx512::two_fp16_rows(ca + 256, cb + 256);
     for (int m = 0; m < MB; ++m) {
       const float x_scale = q.scales[(m0 + m) * q.blocks + c];
       acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(d, _mm512_set1_ps(x_scale))));
