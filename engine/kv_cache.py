@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import math
-import mmap
 from array import array
 from collections import OrderedDict
 
@@ -110,8 +108,12 @@ class KVCache:
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device) -> None:
         self.scratch_slot = num_blocks * block_size
         shape = (num_blocks * block_size + 1, num_kv_heads, head_dim)
-        self.keys = [_zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.values = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        # Written whole now, not left to the OS to zero page by page as first used: the allocator hands blocks out
+        # least recently freed first (the prefix cache's order), so traffic touches the whole pool over time, and a
+        # server whose memory grew by the pool under load looked like a leak (tests/e2e/test_soak.py: +68% RSS).
+        # On this 2-core VM 1 GB takes 0.2 s (transparent huge pages).
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype, self.head_dim = dtype, head_dim
@@ -127,13 +129,3 @@ class KVCache:
     def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
         itemsize = torch.empty(0, dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """A zeroed tensor. On the CPU its memory is an anonymous mapping: the OS hands out each page zeroed when it is
-    first written, so the cache costs nothing at start-up (torch.zeros writes every byte first: 0.8 s of the default
-    model's start on 2 cores for its 1 GB cache) and only the blocks in use ever occupy memory."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    memory = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)  # the tensor keeps it alive
-    return torch.frombuffer(memory, dtype=dtype).view(shape)
