@@ -189,12 +189,16 @@ def pack_for_cpu(model: nn.Module, kernels: CpuKernels) -> None:
     counts: dict[str, int] = {}
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     bf16_packed: dict[int, torch.Tensor] = {}  # data_ptr of a bf16 weight -> its packed copy
+    per_row: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(q8 matrix) -> its per-row int8 (no q8 kernel)
     for parent, name, child in [(p, n, c) for p in model.modules() for n, c in p.named_children()]:
         new = None
         if type(child) is Q8Linear and kernels.q8_mm:
             new = PackedQ8Linear(child.weight_packed, child.bias, kernels.q8_mm)
         elif type(child) is Q8Linear:  # no q8 kernel: per-row int8 for aten's op (coarser scales, but fast)
-            new = Int8Linear(*quantize_int8(layouts.dequantize_q8(child.weight_packed), dtype), child.bias)
+            key = id(child.weight_packed)
+            if key not in per_row:
+                per_row[key] = quantize_int8(layouts.dequantize_q8(child.weight_packed), dtype)
+            new = Int8Linear(*per_row[key], child.bias)
         elif type(child) is Int4Linear and child.weight_packed.device.type == "cpu":
             new = (PackedInt4Linear(child.weight_packed, child.bias, kernels.int4_mm) if kernels.int4_mm
                    else AtenInt4Linear(child.weight_packed, child.bias))
@@ -209,6 +213,8 @@ def pack_for_cpu(model: nn.Module, kernels: CpuKernels) -> None:
             setattr(parent, name, new)
             counts[type(new).__name__] = counts.get(type(new).__name__, 0) + 1
     embedding = _input_embedding(model)
+    if isinstance(embedding, Q8Embedding) and id(embedding.weight_packed) in per_row:  # tied: one matrix still
+        _replace(model, embedding, Int8Embedding(*per_row[id(embedding.weight_packed)], embedding.padding_idx))
     if isinstance(embedding, nn.Embedding) and embedding.weight.data_ptr() in bf16_packed:
         _replace(model, embedding, PackedBf16Embedding(bf16_packed[embedding.weight.data_ptr()], embedding.padding_idx))
     if counts:
