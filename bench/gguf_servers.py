@@ -40,6 +40,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stop_process(process: subprocess.Popen, timeout_s: float = 60) -> None:
+    """Ask a server to exit; kill it if it has not after `timeout_s`."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def command(server: str, model: Path, port: int, llama_bin: Path, slots: int) -> list[str]:
     if server == "llama-server":
         return [str(llama_bin / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
@@ -98,12 +108,7 @@ class Server:
 
     def stop(self) -> dict[str, float]:
         memory = memory_mb(self.process.pid)
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process)
         return memory
 
 

@@ -29,7 +29,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gguf_servers import free_port  # noqa: E402
+from gguf_servers import free_port, stop_process  # noqa: E402
 from rounds import _cpu_flags  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,12 +82,7 @@ def one_start(flags: list[str], env: dict, steady_after_s: float, tokens: int) -
         return {"ready_s": ready_s, "first": first, "steady": steady, "step": card["decode_step"],
                 "first_steps": first_steps}
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
 
 
 def main() -> None:

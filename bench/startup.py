@@ -23,7 +23,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gguf_servers import free_port  # noqa: E402
+from gguf_servers import free_port, stop_process  # noqa: E402
 from rounds import _cpu_flags  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,12 +59,7 @@ def ready_s(cmd: list[str], cwd: Path, is_tern: bool, timeout_s: float = 900) ->
                 time.sleep(POLL_S)
         raise SystemExit(f"{' '.join(cmd)}: not ready after {timeout_s} s")
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, timeout_s=30)
 
 
 def main() -> None:
