@@ -561,15 +561,32 @@ def _compared(record: Record) -> bool:
 
 async def _greedy_with_logprobs(client: httpx.AsyncClient, model: str, kind: str, key: int, timeout_s: float) -> dict:
     """The request as a plain completion (chat: its template's token ids) without stop strings, with the top
-    TOP_LOGPROBS alternatives at every token: what an answer that parts from it is measured against."""
+    TOP_LOGPROBS alternatives at every token: what an answer that parts from it is measured against. Its
+    "entries" hold each token's bytes, logprob and rivals as (bytes, logprob).
+
+    A legacy completion names tokens by their text, so two byte tokens of one character (an emoji's last byte)
+    both read '\ufffd' and one hides the other in top_logprobs; a chat answer gives every token's bytes. So a chat
+    request's entries come from the same request through /v1/chat/completions, as far as it shows them (chat hides
+    the end-of-sequence token that ended it: that one keeps the completion's)."""
     path, body = request_body(kind, key, model, with_stop=False)
+    chat_body = None
     if kind == "chat_stream":
         tokenized = await client.post("/tokenize", json={"messages": body["messages"]}, timeout=timeout_s)
+        chat_body = {"model": model, "messages": body["messages"], "max_tokens": body["max_tokens"], "temperature": 0,
+                     "logprobs": True, "top_logprobs": TOP_LOGPROBS}
         body = {"model": model, "prompt": tokenized.json()["tokens"], "max_tokens": body["max_tokens"], "temperature": 0}
     body = {**body, "stream": False, "logprobs": TOP_LOGPROBS}
     body.pop("stream_options", None)
-    answer = (await client.post("/v1/completions", json=body, timeout=timeout_s)).json()
-    return answer["choices"][0]
+    choice = (await client.post("/v1/completions", json=body, timeout=timeout_s)).json()["choices"][0]
+    logprobs = choice["logprobs"]
+    entries = [(token.encode(), logprob, [(t.encode(), lp) for t, lp in top.items()])
+               for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"])]
+    if chat_body is not None:
+        chat = (await client.post("/v1/chat/completions", json=chat_body, timeout=timeout_s)).json()["choices"][0]
+        shown = [(bytes(e["bytes"]), e["logprob"], [(bytes(t["bytes"]), t["logprob"]) for t in e["top_logprobs"]])
+                 for e in chat["logprobs"]["content"]]
+        entries[:len(shown)] = shown
+    return {**choice, "entries": entries}
 
 
 def _compare_greedy(kind: str, key: int, result: dict, greedy: dict, exact: bool) -> str:
@@ -585,38 +602,41 @@ def _compare_greedy(kind: str, key: int, result: dict, greedy: dict, exact: bool
             return "identical"
     if exact:
         return f"wrong: {text!r} (finish {finish}) != alone {greedy['text']!r}"
-    return _near_tie(greedy, text, finish, kind == "stop")
+    return _near_tie(greedy["entries"], text.encode(), finish, kind == "stop")
 
 
-def _near_tie(greedy: dict, text: str, finish: str | None, may_stop: bool) -> str:
-    logprobs = greedy["logprobs"]
-    tokens, chosen = logprobs["tokens"], logprobs["token_logprobs"]
-    # text_offset counts from the prompt's start: the first token's is where the completion begins.
-    offsets = [offset - logprobs["text_offset"][0] for offset in logprobs["text_offset"]]
-    alone = greedy["text"]
+def _near_tie(entries: list[tuple[bytes, float, list[tuple[bytes, float]]]], text: bytes, finish: str | None,
+              may_stop: bool) -> str:
+    """Compared in bytes, so a rival that is part of a character (one byte of an emoji) counts like any other."""
+    tokens = [token for token, _, _ in entries]
+    offsets = [0]
+    for token in tokens:
+        offsets.append(offsets[-1] + len(token))
+    alone = b"".join(tokens)
     at = next((i for i, (a, b) in enumerate(zip(alone, text)) if a != b), min(len(alone), len(text)))
     k = next((i for i, (o, t) in enumerate(zip(offsets, tokens)) if o + len(t) > at), None)
     if k is None:
         return f"wrong: {text!r} goes on where alone {alone!r} ended"
     # The token taken instead is the alone token's (k) rival, as the text shows it (" " for " Celsius", then
-    # "180°"), or began before the first differing character and runs past it (" Bananas" for " Banana" + "\n").
+    # "180°"), or began before the first differing byte and runs past it (" Bananas" for " Banana" + "\n").
     for j in range(k, -1, -1):
-        if offsets[j] < at - 32:
+        if offsets[j] < at - 64:
             break
         rest = text[offsets[j]:]
-        for token, logprob in logprobs["top_logprobs"][j].items():
-            if token == tokens[j] or chosen[j] - logprob > TIE_MARGIN_NATS or (j < k and offsets[j] + len(token) <= at):
+        chosen = entries[j][1]
+        for token, logprob in entries[j][2]:
+            if token == tokens[j] or chosen - logprob > TIE_MARGIN_NATS or (j < k and offsets[j] + len(token) <= at):
                 continue
             # It shows in the text; or the text ended there (end of sequence, or the start of a stop string).
             ended_here = finish == "stop" and token.startswith(rest) and (may_stop or _is_special(token))
             if rest.startswith(token) or ended_here:
-                return f"near tie: {token!r} for {tokens[j]!r} at token {j} ({chosen[j] - logprob:.2f} nats apart)"
-    return (f"wrong: at token {k} alone took {tokens[k]!r} (top {logprobs['top_logprobs'][k]}), under load the text "
+                return f"near tie: {token!r} for {tokens[j]!r} at token {j} ({chosen - logprob:.2f} nats apart)"
+    return (f"wrong: at token {k} alone took {tokens[k]!r} (top {entries[k][2]}), under load the text "
             f"went on {text[offsets[k]:][:30]!r}")
 
 
-def _is_special(token: str) -> bool:
-    return token.startswith("<|") and token.endswith("|>")
+def _is_special(token: bytes) -> bool:
+    return token.startswith(b"<|") and token.endswith(b"|>")
 
 
 def _compare_scores(got: dict, alone: dict, exact: bool) -> str:
