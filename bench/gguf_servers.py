@@ -8,8 +8,8 @@
 Per file and round (the order of the servers reversed every other round), each server alone on the machine:
 - llama-server `-t 2 -np 1` for one stream and the prefill, `-np 16` for 16 streams (continuous batching over slots);
 - Tern: `python app.py --model FILE` with no other flag, as a user starts it.
-Measured: seconds from launch to ready (/health 200, and for Tern no compile under way), the server's peak and
-steady resident memory (VmHWM, VmRSS after the runs), one stream's and 16 streams' output tokens/s (~100-token
+Measured: seconds from launch to ready (/health 200, and for Tern no compile under way), the server's resident
+memory at ready (VmHWM: the peak of loading; VmRSS) and its peak after the runs, one stream's and 16 streams' output tokens/s (~100-token
 prompts, 128 tokens, ignore_eos, bench/serve.py), and the time to first token of a ~1,500-token prompt (prefill).
 Ratios are Tern over llama-server within a round. 127.0.0.1 only.
 """
@@ -76,6 +76,7 @@ class Server:
                                         stdout=self.log, stderr=subprocess.STDOUT,
                                         env={**os.environ, "TERN_LOG_LEVEL": "info"})
         self.ready_s = self._wait_ready()
+        self.at_ready = memory_mb(self.process.pid)  # VmHWM now: the peak of loading, before any request
 
     def _wait_ready(self) -> float:
         deadline = time.monotonic() + 1800
@@ -117,6 +118,8 @@ def measure(server: str, model: Path, args) -> dict:
     first = Server(server, model, args.llama_bin, 1, args.log_dir)
     try:
         result["ready_s"] = first.ready_s
+        result["load_peak_mb"] = first.at_ready.get("VmHWM", float("nan"))
+        result["ready_mb"] = first.at_ready.get("VmRSS", float("nan"))
         result["c1"] = first.sweep(1)["output_tok_s"]
         result["prefill_s"] = first.prefill_s(args.prefill_tokens)
         if server != "llama-server":
@@ -161,8 +164,8 @@ def main() -> None:
                                    "avx512_bf16"})
     print(f"\n{args.rounds} alternated rounds; CPU flags: {' '.join(flags)}; {os.cpu_count()} cores\n")
     print("| GGUF | file MB | 1 stream tok/s Tern vs llama-server | 16 streams | prefill s (~"
-          f"{args.prefill_tokens} tokens) | ready s | peak MB | steady MB |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"{args.prefill_tokens} tokens) | ready s | peak MB loading | resident MB at ready | peak MB after the runs |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for model, rounds in table:
         tern, llama = rounds["tern"], rounds["llama-server"]
 
@@ -178,7 +181,7 @@ def main() -> None:
 
         print(f"| {model.name} | {model.stat().st_size / 1e6:.0f} | {pair('c1')} | {pair('c16')} | "
               f"{pair('prefill_s', higher_is_better=False)} | {pair('ready_s', higher_is_better=False)} | "
-              f"{plain('peak_mb')} | {plain('steady_mb')} |")
+              f"{plain('load_peak_mb')} | {plain('ready_mb')} | {plain('peak_mb')} |")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ reversed every other round; 127.0.0.1 only. The requirement: Tern within 5 s of 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -38,12 +39,12 @@ def command(server: str, checkout: Path, model: Path | None, port: int, llama_bi
             *(["--model", str(model)] if model else [])]
 
 
-def ready_s(cmd: list[str], cwd: Path, is_tern: bool, timeout_s: float = 900) -> float:
+def ready_s(cmd: list[str], cwd: Path, is_tern: bool, timeout_s: float = 900, env: dict | None = None) -> float:
     """Seconds from launch until ready; the server is stopped after."""
     port = int(cmd[cmd.index("--port") + 1])
     base = f"http://127.0.0.1:{port}"
     started = time.perf_counter()
-    process = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         with httpx.Client(timeout=5) as client:
             while time.perf_counter() - started < timeout_s:
@@ -62,6 +63,14 @@ def ready_s(cmd: list[str], cwd: Path, is_tern: bool, timeout_s: float = 900) ->
         stop_process(process, timeout_s=30)
 
 
+def environment(name: str, checkout: Path) -> dict:
+    """The baseline keeps a cache folder of its own: a build of other kernel sources replaces the cache's library,
+    so two checkouts sharing one would rebuild on every start."""
+    if name == "tern-baseline":
+        return {**os.environ, "TERN_CACHE": str(checkout / ".bench-cache")}
+    return dict(os.environ)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="*", type=Path, help="GGUF files (default: Tern's default model)")
@@ -77,13 +86,14 @@ def main() -> None:
     for model in args.models or [None]:
         contenders = servers + ([("llama-server", ROOT)] if args.llama_bin and model else [])
         for name, checkout in contenders:  # a first start builds kernels and caches: not timed
-            ready_s(command(name, checkout, model, free_port(), args.llama_bin), checkout, name != "llama-server")
+            ready_s(command(name, checkout, model, free_port(), args.llama_bin), checkout, name != "llama-server",
+                    env=environment(name, checkout))
         times: dict[str, list[float]] = {name: [] for name, _ in contenders}
         for round_index in range(args.rounds):
             order = contenders if round_index % 2 == 0 else contenders[::-1]
             for name, checkout in order:
                 cmd = command(name, checkout, model, free_port(), args.llama_bin)
-                times[name].append(ready_s(cmd, checkout, name != "llama-server"))
+                times[name].append(ready_s(cmd, checkout, name != "llama-server", env=environment(name, checkout)))
         medians = {name: statistics.median(values) for name, values in times.items()}
         print(f"\n{model.name if model else 'default model'}:")
         for name, values in times.items():

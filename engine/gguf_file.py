@@ -19,6 +19,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from engine.errors import ModelLoadError
+from engine import quant
 from engine.gguf_blocks import GGUF_TYPES, dequantize, supported_names
 from engine.models import NATIVE_MODELS
 
@@ -142,9 +143,25 @@ class GgufFile:
         layout = GGUF_TYPES[self._tensors[name].tensor_type].layout
         return None if layout == "dequantize" else layout
 
-    def packed(self, name: str, num_heads: int | None = None) -> torch.Tensor:
-        """The tensor in its layout's bytes (layouts.pack_int4 or pack_q8), straight from its blocks."""
-        return GGUF_TYPES[self._tensors[name].tensor_type].repack(self.raw(name, num_heads))
+    def packed(self, name: str, num_heads: int | None = None, repack=None) -> torch.Tensor:
+        """The tensor in its layout's bytes (layouts.pack_int4 or pack_q8), straight from its blocks: with the
+        kernel library's `repack` (CpuKernels.gguf_repack) where given, else with gguf_blocks' torch twin."""
+        tensor = self._tensors[name]
+        if repack is not None:
+            return repack(self.raw(name, num_heads), int(tensor.tensor_type), self.shape(name)[1],
+                          self.layout(name) == "int4")
+        return GGUF_TYPES[tensor.tensor_type].repack(self.raw(name, num_heads))
+
+    def q8(self, name: str, num_heads: int | None = None, repack=None) -> torch.Tensor:
+        """The matrix in layouts.pack_q8's bytes: Q8_0 blocks as they are, any other type re-quantized per 32 values
+        (quant.quantize_q8 of gguf's de-quantized values), by `repack` in one pass where given, else through float32
+        a few thousand rows at a time."""
+        tensor = self._tensors[name]
+        if repack is not None:
+            return repack(self.raw(name, num_heads), int(tensor.tensor_type), self.shape(name)[1], False)
+        if self.layout(name) == "q8":
+            return self.packed(name, num_heads)
+        return torch.cat([quant.pack_q8(rows) for rows in self.float_rows(name, num_heads)])
 
     def type_name(self, name: str) -> str:
         return self._tensors[name].tensor_type.name

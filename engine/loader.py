@@ -250,7 +250,8 @@ def load(config: EngineConfig) -> LoadedModel:
     build_dtype = torch.float32 if quantizes_here else dtype
     source = _weight_source(config.model, folder, cache_dir, is_native, quantizes_here)
     if source is not None:  # read tensor by tensor into the layers that serve them
-        model = streamed_load.build_model(source, hf_config, config.quantization, build_dtype, device)
+        model = streamed_load.build_model(source, hf_config, config.quantization, build_dtype, device,
+                                          cpu_kernels.gguf_repack)
     elif is_native:
         model = _load_native(folder, hf_config, build_dtype, device)
     else:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from engine import quant
 from engine.errors import ModelLoadError
 
 
@@ -44,8 +45,12 @@ class SafetensorsFolder:
     def layout(self, name: str) -> str | None:
         return None  # float checkpoints: the mode quantizes them (engine/quant.py)
 
-    def packed(self, name: str, num_heads: int | None = None) -> torch.Tensor:
+    def packed(self, name: str, num_heads: int | None = None, repack=None) -> torch.Tensor:
         raise ValueError(f"{name} is a float tensor in {self.path}")
+
+    def q8(self, name: str, num_heads: int | None = None, repack=None) -> torch.Tensor:
+        """The matrix quantized into layouts.pack_q8's bytes, a few thousand rows at a time."""
+        return torch.cat([quant.pack_q8(rows) for rows in self.float_rows(name)])
 
     def float(self, name: str, num_heads: int | None = None) -> torch.Tensor:
         """float32, in memory of its own (not the file's mapping); rows already in transformers' order."""

@@ -11,7 +11,9 @@ and quant.quantize runs after, as for any checkpoint. Either way no whole-model 
 the served weights plus about one tensor in float32.
 
 A source answers: path, names(), `in`, shape(name), type_name(name), layout(name) ("int4", "q8" or None),
-packed(name, heads) (the tensor in that layout's bytes), float(name, heads) and float_rows(name, heads); `heads`
+packed(name, heads, repack) (the tensor in that layout's bytes), q8(name, heads, repack) (the matrix in q8's,
+re-quantized where it is not Q8_0), float(name, heads) and float_rows(name, heads); `repack` is the kernel
+library's GGUF repacking (CpuKernels.gguf_repack, None without it) and `heads`
 names how many heads a q or k matrix holds, for sources whose rows are stored in another order (llama.cpp's
 converter permutes them).
 """
@@ -32,7 +34,7 @@ from engine.models import NATIVE_MODELS
 logger = logging.getLogger(__name__)
 
 
-def build_model(source, hf_config, mode: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_model(source, hf_config, mode: str, dtype: torch.dtype, device: torch.device, repack=None) -> nn.Module:
     """The native model for hf_config.model_type with every weight read from `source`. In quant.KERNEL_MODES on a
     CPU its linear layers are already Int4Linear/Int8Linear (quant.pack_for_cpu packs them next); otherwise they are
     nn.Linear in `dtype`. Every layer the model has is built from the tensors of its name, or of the checkpoint
@@ -45,7 +47,7 @@ def build_model(source, hf_config, mode: str, dtype: torch.dtype, device: torch.
         raise ModelLoadError(f"{source.path}: tensors a {hf_config.model_type} model has no place for: {unknown[:5]}")
     model.fuse_projections()
     quantized = mode in quant.KERNEL_MODES and device.type == "cpu"
-    builder = _LayerBuilder(source, hf_config, mode if quantized else "none", dtype)
+    builder = _LayerBuilder(source, hf_config, mode if quantized else "none", dtype, repack)
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and name != "lm_head":
             parent, _, child = name.rpartition(".")
@@ -67,8 +69,8 @@ def served_mode(model: nn.Module) -> str:
 
 
 class _LayerBuilder:
-    def __init__(self, source, hf_config, mode: str, dtype: torch.dtype) -> None:
-        self.source, self.mode, self.dtype = source, mode, dtype
+    def __init__(self, source, hf_config, mode: str, dtype: torch.dtype, repack=None) -> None:
+        self.source, self.mode, self.dtype, self.repack = source, mode, dtype, repack
         self.tied = getattr(hf_config, "tie_word_embeddings", False) or "lm_head.weight" not in source
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = hf_config.num_key_value_heads
@@ -101,17 +103,17 @@ class _LayerBuilder:
     def _packed(self, name: str) -> torch.Tensor:
         """The tensor in the layout the source holds it in (int4 or q8), straight from its blocks."""
         self.served[(self.source.type_name(name), self.source.layout(name))] += 1
-        return self.source.packed(name, self._heads(name))
+        return self.source.packed(name, self._heads(name), self.repack)
 
     def _float(self, name: str) -> torch.Tensor:
         return self.source.float(name, self._heads(name))
 
     def _q8(self, name: str) -> torch.Tensor:
-        """layouts.pack_q8's bytes: the source's own Q8_0 blocks, else quantized a few thousand rows at a time."""
+        """layouts.pack_q8's bytes: the source's own Q8_0 blocks, else re-quantized per 32 values."""
         if self._held_as(name, "q8"):
             return self._packed(name)
         self.served[(self.source.type_name(name), "q8")] += 1
-        return torch.cat([quant.pack_q8(rows) for rows in self.source.float_rows(name, self._heads(name))])
+        return self.source.q8(name, self._heads(name), self.repack)
 
     def _int8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row int8 (quant.quantize_int8) for a shape q8 cannot hold, de-quantizing a few thousand rows at a time."""

@@ -48,6 +48,9 @@ class CpuKernels:
     int4_mm: Callable | None = None  # (x [M, K], layouts.pack_int4 weight) -> [M, N]
     bf16_mm: Callable | None = None  # (x [M, K] bf16, layouts.pack_bf16 weight) -> [M, N] bf16
     decode_attention: Callable | None = None  # (q, k_cache, v_cache, context_slots, context_lens, scale)
+    # (raw uint8 [rows, bytes per row] of a GGUF matrix, ggml type id, columns, int4: bool) -> the int4 or q8
+    # layout's bytes, at load time; None: engine/gguf_blocks.py's torch twins do it
+    gguf_repack: Callable | None = None
 
     def describe(self) -> str:
         """E.g. `avx2 (int8: avx2, int4: avx2, bf16: aten, decode attention: avx2)`."""
@@ -136,7 +139,7 @@ def kernels_for(path: str, cache_dir: Path, reason: str = "") -> CpuKernels:
     ops = torch.ops.tern
     bf16 = getattr(ops, "bf16_mm_avx512", None) if path == "avx512" and BF16_FLAG in cpu_flags() else None
     return CpuKernels(path, reason or "asked for", getattr(ops, f"q8_mm_{path}"), getattr(ops, f"int4_mm_{path}"), bf16,
-                      getattr(ops, f"decode_attention_{path}"))
+                      getattr(ops, f"decode_attention_{path}"), ops.gguf_repack)
 
 
 def prebuild(cache_dir: Path) -> None:

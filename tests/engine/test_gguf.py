@@ -15,6 +15,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, quants
 
+from conftest import require_op
+
 from engine import Engine, EngineConfig, ModelLoadError, SamplingParams
 from engine.gguf_blocks import GGUF_TYPES
 from engine.kernels import layouts
@@ -150,6 +152,44 @@ def write_tiny_gguf(path: Path, types: dict[str, T], tied: bool = True, seed: in
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def blocks_of(ggml_type: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, bytes per row] of any type the loader reads: random_blocks for those it knows, gguf's own
+    quantizer over random weights for Q5_0/Q5_1/F16/BF16/F32, random bytes with small scales for Q5_K."""
+    if ggml_type in BLOCK:
+        return random_blocks(ggml_type, rows, cols, seed)
+    rng = np.random.default_rng(seed)
+    if ggml_type == T.Q5_K:  # 176 bytes per 256: fp16 d and dmin first, then scales and quants
+        raw = rng.integers(0, 256, size=(rows, cols // 256, 176), dtype=np.uint8)
+        scales = (rng.uniform(0.5, 1.5, size=(rows, cols // 256, 2)) * 2e-3).astype(np.float16)
+        raw[..., 0:4] = scales.view(np.uint8)
+        return raw.reshape(rows, -1)
+    weights = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+    return quants.quantize(weights, ggml_type).reshape(rows, -1).view(np.uint8)
+
+
+REPACKED_TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0, T.F16, T.BF16, T.F32]
+
+
+@pytest.mark.parametrize("ggml_type", REPACKED_TYPES, ids=lambda t: t.name)
+def test_the_kernel_librarys_repacking_gives_its_plain_twins_bytes(ggml_type, path_kernels):
+    """At load time the kernel library repacks a GGUF matrix in one pass (CpuKernels.gguf_repack); its twins are
+    gguf_blocks' torch repacking (int4) and gguf's de-quantizer followed by quant.quantize_q8 (q8): the same bytes,
+    so the file's values (or their q8 rounding) do not depend on whether a kernel path was built."""
+    from engine import quant
+
+    repack = require_op(path_kernels.gguf_repack, "GGUF repacking")
+    rows, cols = 40, 1024
+    raw = torch.from_numpy(blocks_of(ggml_type, rows, cols, seed=5).copy())
+    layout = GGUF_TYPES[ggml_type].layout
+    if layout == "int4":
+        assert torch.equal(repack(raw, int(ggml_type), cols, True), GGUF_TYPES[ggml_type].repack(raw))
+    if layout == "q8":  # Q8_0: its own blocks
+        assert torch.equal(repack(raw, int(ggml_type), cols, False), GGUF_TYPES[ggml_type].repack(raw))
+    else:  # into q8 (a fused layer with a part that is not 4-bit takes q8 whole)
+        floats = torch.from_numpy(quants.dequantize(raw.numpy(), ggml_type).astype(np.float32)).reshape(rows, cols)
+        assert torch.equal(repack(raw, int(ggml_type), cols, False), quant.pack_q8(floats))
 
 
 def every(ggml_type: T, **others: T) -> dict[str, T]:

@@ -70,6 +70,20 @@ struct AttentionProblem {
   void* out;  // [B, H * D]
 };
 void decode_attention_avx2(const AttentionProblem& p, int64_t task0, int64_t task1);
+
+// A GGUF matrix's raw blocks ([rows, gguf_row_bytes(type, cols)], ggml type ids) into Tern's int4 layout (Q4_0,
+// Q4_1, Q4_K: gguf_has_int4) or q8 layout (Q8_0 as it is; Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, F16, BF16,
+// F32 re-quantized per 32 values as quant.quantize_q8 does), groups of 8 rows [g0, g1) (gguf_repack_avx2.cpp).
+struct GgufRepack {
+  const uint8_t* raw;
+  int type;
+  int64_t cols;
+  uint8_t* out;
+};
+int64_t gguf_row_bytes(int type, int64_t cols);  // -1: a type this file does not read
+bool gguf_has_int4(int type);
+void gguf_int4_groups(const GgufRepack& p, int64_t g0, int64_t g1);
+void gguf_q8_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void decode_attention_avx512(const AttentionProblem& p, int64_t task0, int64_t task1);
 
 }  // namespace tern

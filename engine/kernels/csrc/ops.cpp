@@ -100,10 +100,30 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, c
   return out;
 }
 
+// raw: uint8 [rows, bytes per row], a GGUF matrix's blocks of ggml type `type` -> the int4 or q8 layout's bytes.
+at::Tensor gguf_repack(const at::Tensor& raw, int64_t type, int64_t cols, bool int4) {
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.device().is_cpu(),
+              "gguf_repack: raw must be contiguous uint8 [rows, bytes per row] on the CPU");
+  const int64_t rows = raw.size(0), group_cols = int4 ? kInt4GroupCols : kQ8GroupCols;
+  const int64_t bytes = gguf_row_bytes(static_cast<int>(type), cols);
+  TORCH_CHECK(bytes > 0 && (!int4 || gguf_has_int4(static_cast<int>(type))), "gguf_repack: ggml type ", type,
+              " cannot be repacked into ", int4 ? "int4" : "q8");
+  TORCH_CHECK(rows % kInt4GroupRows == 0 && cols % group_cols == 0 && raw.size(1) == bytes,
+              "gguf_repack: rows must be a multiple of 8, cols of 32 (256 for K-quants), raw [rows, ", bytes, "]");
+  at::Tensor out = at::empty({rows, int4 ? cols * 5 / 8 : cols * 17 / 16}, raw.options());
+  const GgufRepack p{raw.data_ptr<uint8_t>(), static_cast<int>(type), cols, out.data_ptr<uint8_t>()};
+  at::parallel_for(0, rows / kInt4GroupRows, 16, [&](int64_t g0, int64_t g1) {
+    if (int4) gguf_int4_groups(p, g0, g1);
+    else gguf_q8_groups(p, g0, g1);
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace tern
 
 TORCH_LIBRARY(tern, m) {
+  m.def("gguf_repack(Tensor raw, int type, int cols, bool int4) -> Tensor");
   m.def("int4_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q8_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("decode_attention_avx2(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, Tensor context_lens, "
@@ -126,6 +146,7 @@ TORCH_LIBRARY_FRAGMENT(tern, m) {
 }
 
 TORCH_LIBRARY_IMPL(tern, CPU, m) {
+  m.impl("gguf_repack", &tern::gguf_repack);
   m.impl("int4_mm_avx2", &tern::int4_mm<tern::int4_groups_avx2>);
   m.impl("q8_mm_avx2", &tern::q8_mm<tern::q8_groups_avx2>);
   m.impl("decode_attention_avx2", &tern::decode_attention_op<tern::decode_attention_avx2>);

@@ -1,0 +1,253 @@
+// GGUF blocks into Tern's layouts at load time (kernels.h: gguf_int4_groups, gguf_q8_groups): the C++ twins of
+// engine/gguf_blocks.py's torch repacking (int4: Q4_0, Q4_1, Q4_K) and of gguf's numpy de-quantizer followed by
+// quant.quantize_q8 (q8: Q8_0 as it is; Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, F16, BF16, F32 re-quantized per 32 values).
+// Bit for bit the same bytes: the float steps are numpy's and torch's, in their order, with no fused multiply-add
+// (-ffp-contract=off) and round-to-nearest-even everywhere. Why in C++: torch's many passes and gguf's numpy spent
+// 3-4 s of a 1B Q4_K_M file's start on 2 cores; this reads each block once.
+//
+// Block layouts are llama.cpp's (ggml-common.h), as gguf's reference de-quantizers read them.
+#include "kernels.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace tern {
+namespace {
+
+// ggml type ids (ggml.h / gguf.GGMLQuantizationType).
+constexpr int kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13,
+              kQ6_K = 14, kBF16 = 30;
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline uint16_t float_to_half(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+
+// The 6-bit scale and minimum of sub-block j of a K-quant super-block (Q4_K, Q5_K), from its 12 bytes.
+inline void k_scale_min(const uint8_t* s, int j, int& scale, int& minimum) {
+  if (j < 4) {
+    scale = s[j] & 0x3F;
+    minimum = s[j + 4] & 0x3F;
+  } else {
+    scale = (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+    minimum = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+  }
+}
+
+// Block b (32 values) of a 4-bit row: q in 0..15, and the fp16 bits of d and m (w = d * q + m).
+void int4_block(int type, const uint8_t* row, int64_t b, uint8_t* q, uint16_t& d, uint16_t& m) {
+  if (type == kQ4_0 || type == kQ4_1) {
+    const uint8_t* block = row + b * (type == kQ4_0 ? 18 : 20);
+    const uint8_t* qs = block + (type == kQ4_0 ? 2 : 4);
+    for (int i = 0; i < 16; ++i) {
+      q[i] = qs[i] & 0x0F;
+      q[i + 16] = qs[i] >> 4;
+    }
+    std::memcpy(&d, block, 2);
+    if (type == kQ4_1) std::memcpy(&m, block + 2, 2);
+    else m = float_to_half(-8 * half_to_float(block));  // exact
+    return;
+  }
+  // Q4_K: 144 bytes per 256 values; each 32 bytes of nibbles hold sub-block 2c (low) and 2c + 1 (high).
+  const uint8_t* block = row + (b / 8) * 144;
+  const int j = static_cast<int>(b % 8);
+  int scale, minimum;
+  k_scale_min(block + 4, j, scale, minimum);
+  const uint8_t* qs = block + 16 + 32 * (j / 2);
+  const int shift = 4 * (j % 2);
+  for (int i = 0; i < 32; ++i) q[i] = (qs[i] >> shift) & 0x0F;
+  d = float_to_half(half_to_float(block) * static_cast<float>(scale));
+  m = float_to_half(-(half_to_float(block + 2) * static_cast<float>(minimum)));
+}
+
+// Block b (32 values) of a row as float32, as gguf's numpy de-quantizer computes it.
+void float_block(int type, const uint8_t* row, int64_t b, float* w) {
+  switch (type) {
+    case kF32:
+      std::memcpy(w, row + b * 128, 128);
+      return;
+    case kF16:
+      for (int i = 0; i < 32; ++i) w[i] = half_to_float(row + b * 64 + 2 * i);
+      return;
+    case kBF16:
+      for (int i = 0; i < 32; ++i) {
+        uint16_t h;
+        std::memcpy(&h, row + b * 64 + 2 * i, 2);
+        const uint32_t bits = static_cast<uint32_t>(h) << 16;
+        std::memcpy(&w[i], &bits, 4);
+      }
+      return;
+    case kQ4_0:
+    case kQ4_1:
+    case kQ4_K: {  // (d * scale) * q - (dmin * min) for Q4_K; d * (q - 8) and d * q + m for Q4_0 and Q4_1
+      const uint8_t* block = row + b * (type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : 0);
+      uint8_t q[32];
+      if (type == kQ4_K) {
+        const uint8_t* super = row + (b / 8) * 144;
+        const int j = static_cast<int>(b % 8);
+        int scale, minimum;
+        k_scale_min(super + 4, j, scale, minimum);
+        const float d = half_to_float(super) * static_cast<float>(scale);
+        const float dm = half_to_float(super + 2) * static_cast<float>(minimum);
+        const uint8_t* qs = super + 16 + 32 * (j / 2);
+        for (int i = 0; i < 32; ++i) w[i] = d * static_cast<float>((qs[i] >> (4 * (j % 2))) & 0x0F) - dm;
+        return;
+      }
+      const uint8_t* qs = block + (type == kQ4_0 ? 2 : 4);
+      for (int i = 0; i < 16; ++i) {
+        q[i] = qs[i] & 0x0F;
+        q[i + 16] = qs[i] >> 4;
+      }
+      const float d = half_to_float(block);
+      if (type == kQ4_0) {
+        for (int i = 0; i < 32; ++i) w[i] = d * static_cast<float>(static_cast<int>(q[i]) - 8);
+      } else {
+        const float m = half_to_float(block + 2);
+        for (int i = 0; i < 32; ++i) w[i] = d * static_cast<float>(q[i]) + m;
+      }
+      return;
+    }
+    case kQ5_0:
+    case kQ5_1: {  // d * (q - 16); d * q + m. Bit i of the 32-bit qh is value i's fifth bit.
+      const uint8_t* block = row + b * (type == kQ5_0 ? 22 : 24);
+      const int head = type == kQ5_0 ? 2 : 4;
+      uint32_t qh;
+      std::memcpy(&qh, block + head, 4);
+      const uint8_t* qs = block + head + 4;
+      const float d = half_to_float(block);
+      for (int i = 0; i < 32; ++i) {
+        const int low = i < 16 ? (qs[i] & 0x0F) : (qs[i - 16] >> 4);
+        const int q = low | static_cast<int>(((qh >> i) & 1) << 4);
+        if (type == kQ5_0) w[i] = d * static_cast<float>(q - 16);
+        else w[i] = d * static_cast<float>(q) + half_to_float(block + 2);
+      }
+      return;
+    }
+    case kQ5_K: {  // 176 bytes per 256: d, dmin, 12 bytes of scales, 32 of fifth bits (bit j: sub-block j), 128
+      const uint8_t* super = row + (b / 8) * 176;
+      const int j = static_cast<int>(b % 8);
+      int scale, minimum;
+      k_scale_min(super + 4, j, scale, minimum);
+      const float d = half_to_float(super) * static_cast<float>(scale);
+      const float dm = half_to_float(super + 2) * static_cast<float>(minimum);
+      const uint8_t* qh = super + 16;
+      const uint8_t* qs = super + 48 + 32 * (j / 2);
+      for (int i = 0; i < 32; ++i) {
+        const int q = ((qs[i] >> (4 * (j % 2))) & 0x0F) | (((qh[i] >> j) & 1) << 4);
+        w[i] = d * static_cast<float>(q) - dm;
+      }
+      return;
+    }
+    case kQ6_K: {  // 210 bytes per 256: 128 of low nibbles, 64 of high 2 bits, 16 int8 scales, fp16 d
+      // Value v of a super-block: low nibble of ql[64 (v / 128) + v % 64] at bit 4 ((v % 128) / 64), high 2 bits
+      // of qh[32 (v / 128) + v % 32] at bit 2 ((v % 128) / 32), scale v / 16. A block of 32 starts at a multiple
+      // of 32, so within it every shift is one constant and the indexes run on by one.
+      const uint8_t* super = row + (b / 8) * 210;
+      const int first = static_cast<int>(b % 8) * 32, half = first / 128, within = first % 128;
+      const uint8_t* ql = super + 64 * half + within % 64;
+      const uint8_t* qh = super + 128 + 32 * half;
+      const int low_shift = 4 * (within / 64), high_shift = 2 * (within / 32);
+      const int8_t* scales = reinterpret_cast<const int8_t*>(super + 192) + first / 16;
+      const float d = half_to_float(super + 208);
+      const float scale[2] = {d * static_cast<float>(scales[0]), d * static_cast<float>(scales[1])};
+      for (int i = 0; i < 32; ++i) {
+        const int q = (((ql[i] >> low_shift) & 0x0F) | (((qh[i] >> high_shift) & 0x03) << 4)) - 32;
+        w[i] = scale[i / 16] * static_cast<float>(q);
+      }
+      return;
+    }
+  }
+}
+
+// quant.quantize_q8 of 32 values: the step absmax / 127 rounded to fp16 first, q = round(w / step) in -127..127.
+void quantize_block(const float* w, int8_t* q, uint16_t& d) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 amax8 = _mm256_setzero_ps();
+  for (int i = 0; i < 32; i += 8) amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, _mm256_loadu_ps(w + i)));
+  __m128 amax4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  amax4 = _mm_max_ps(amax4, _mm_movehl_ps(amax4, amax4));
+  amax4 = _mm_max_ss(amax4, _mm_shuffle_ps(amax4, amax4, 1));
+  d = float_to_half(_mm_cvtss_f32(amax4) / 127);
+  const float step = _cvtsh_ss(d);
+  const __m256 safe = _mm256_set1_ps(step > 0 ? step : 1.0f);
+  alignas(32) int32_t rounded[32];
+  for (int i = 0; i < 32; i += 8) {
+    __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(w + i), safe), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(rounded + i), _mm256_cvtps_epi32(v));
+  }
+  for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(rounded[i]);
+}
+
+int64_t row_bytes(int type, int64_t cols) {
+  switch (type) {
+    case kF32: return cols * 4;
+    case kF16: case kBF16: return cols * 2;
+    case kQ4_0: return cols / 32 * 18;
+    case kQ4_1: return cols / 32 * 20;
+    case kQ5_0: return cols / 32 * 22;
+    case kQ5_1: return cols / 32 * 24;
+    case kQ8_0: return cols / 32 * 34;
+    case kQ4_K: return cols / 256 * 144;
+    case kQ5_K: return cols / 256 * 176;
+    case kQ6_K: return cols / 256 * 210;
+  }
+  return -1;
+}
+
+}  // namespace
+
+int64_t gguf_row_bytes(int type, int64_t cols) { return row_bytes(type, cols); }
+
+bool gguf_has_int4(int type) { return type == kQ4_0 || type == kQ4_1 || type == kQ4_K; }
+
+void gguf_int4_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
+  const int64_t stride = row_bytes(p.type, p.cols), blocks = p.cols / kInt4GroupCols;
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint8_t* out = p.out + (g * blocks + b) * kInt4GroupBytes;
+      for (int r = 0; r < kInt4GroupRows; ++r) {
+        uint8_t q[32];
+        uint16_t d, m;
+        int4_block(p.type, p.raw + (g * kInt4GroupRows + r) * stride, b, q, d, m);
+        for (int j = 0; j < 4; ++j)  // register j, row r: columns 8j..8j+3 low, 8j+4..8j+7 high
+          for (int t = 0; t < 4; ++t) out[32 * j + 4 * r + t] = q[8 * j + t] | (q[8 * j + 4 + t] << 4);
+        std::memcpy(out + 128 + 2 * r, &d, 2);
+        std::memcpy(out + 144 + 2 * r, &m, 2);
+      }
+    }
+  }
+}
+
+void gguf_q8_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
+  const int64_t stride = row_bytes(p.type, p.cols), blocks = p.cols / kQ8GroupCols;
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint8_t* out = p.out + (g * blocks + b) * kQ8GroupBytes;
+      for (int r = 0; r < kQ8GroupRows; ++r) {
+        const uint8_t* row = p.raw + (g * kQ8GroupRows + r) * stride;
+        int8_t q[32];
+        uint16_t d;
+        if (p.type == kQ8_0) {  // as it is
+          std::memcpy(&d, row + b * 34, 2);
+          std::memcpy(q, row + b * 34 + 2, 32);
+        } else {
+          float w[32];
+          float_block(p.type, row, b, w);
+          quantize_block(w, q, d);
+        }
+        for (int j = 0; j < 8; ++j)  // register j, row r: columns 4j..4j+3, stored as q + 128
+          for (int t = 0; t < 4; ++t) out[32 * j + 4 * r + t] = static_cast<uint8_t>(q[4 * j + t] + 128);
+        std::memcpy(out + 256 + 2 * r, &d, 2);
+      }
+    }
+  }
+}
+
+}  // namespace tern
