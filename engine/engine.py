@@ -67,7 +67,7 @@ def _load_leaving_a_core(config: EngineConfig) -> LoadedModel:
     num_threads = torch.get_num_threads()
     torch.set_num_threads(max(num_threads - 1, 1))
     try:
-        return loader.load(config)
+        return loader.load(config, repack_threads=num_threads)
     finally:
         torch.set_num_threads(num_threads)
 

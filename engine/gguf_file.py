@@ -143,25 +143,26 @@ class GgufFile:
         layout = GGUF_TYPES[self._tensors[name].tensor_type].layout
         return None if layout == "dequantize" else layout
 
-    def packed(self, name: str, num_heads: int | None = None, repack=None) -> torch.Tensor:
+    def packed(self, name: str, num_heads: int | None = None, repack=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor in its layout's bytes (layouts.pack_int4 or pack_q8), straight from its blocks: with the
-        kernel library's `repack` (CpuKernels.gguf_repack) where given, else with gguf_blocks' torch twin."""
+        kernel library's `repack` (CpuKernels.gguf_repack) where given, else with gguf_blocks' torch twin; written
+        into `out` where given (a fused projection's rows of this part)."""
         tensor = self._tensors[name]
         if repack is not None:
             return repack(self.raw(name, num_heads), int(tensor.tensor_type), self.shape(name)[1],
-                          self.layout(name) == "int4")
-        return GGUF_TYPES[tensor.tensor_type].repack(self.raw(name, num_heads))
+                          self.layout(name) == "int4", out)
+        return _into(GGUF_TYPES[tensor.tensor_type].repack(self.raw(name, num_heads)), out)
 
-    def q8(self, name: str, num_heads: int | None = None, repack=None) -> torch.Tensor:
+    def q8(self, name: str, num_heads: int | None = None, repack=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The matrix in layouts.pack_q8's bytes: Q8_0 blocks as they are, any other type re-quantized per 32 values
         (quant.quantize_q8 of gguf's de-quantized values), by `repack` in one pass where given, else through float32
-        a few thousand rows at a time."""
+        a few thousand rows at a time; written into `out` where given."""
         tensor = self._tensors[name]
         if repack is not None:
-            return repack(self.raw(name, num_heads), int(tensor.tensor_type), self.shape(name)[1], False)
+            return repack(self.raw(name, num_heads), int(tensor.tensor_type), self.shape(name)[1], False, out)
         if self.layout(name) == "q8":
-            return self.packed(name, num_heads)
-        return torch.cat([quant.pack_q8(rows) for rows in self.float_rows(name, num_heads)])
+            return self.packed(name, num_heads, out=out)
+        return _into(torch.cat([quant.pack_q8(rows) for rows in self.float_rows(name, num_heads)]), out)
 
     def type_name(self, name: str) -> str:
         return self._tensors[name].tensor_type.name
@@ -202,6 +203,10 @@ class GgufFile:
         columns = self.shape(name)[1]
         for chunk in raw.split(rows):
             yield dequantize(chunk.numpy(), tensor.tensor_type, (chunk.shape[0], columns))
+
+
+def _into(tensor: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    return tensor if out is None else out.copy_(tensor)
 
 
 class TensorInfo(NamedTuple):

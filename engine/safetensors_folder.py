@@ -45,12 +45,18 @@ class SafetensorsFolder:
     def layout(self, name: str) -> str | None:
         return None  # float checkpoints: the mode quantizes them (engine/quant.py)
 
-    def packed(self, name: str, num_heads: int | None = None, repack=None) -> torch.Tensor:
+    def packed(self, name: str, num_heads: int | None = None, repack=None, out: torch.Tensor | None = None) -> torch.Tensor:
         raise ValueError(f"{name} is a float tensor in {self.path}")
 
-    def q8(self, name: str, num_heads: int | None = None, repack=None) -> torch.Tensor:
-        """The matrix quantized into layouts.pack_q8's bytes, a few thousand rows at a time."""
-        return torch.cat([quant.pack_q8(rows) for rows in self.float_rows(name)])
+    def q8(self, name: str, num_heads: int | None = None, repack=None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The matrix quantized into layouts.pack_q8's bytes, a few thousand rows at a time (into `out` if given)."""
+        if out is None:
+            return torch.cat([quant.pack_q8(rows) for rows in self.float_rows(name)])
+        start = 0
+        for rows in self.float_rows(name):
+            out[start:start + rows.shape[0]] = quant.pack_q8(rows)
+            start += rows.shape[0]
+        return out
 
     def float(self, name: str, num_heads: int | None = None) -> torch.Tensor:
         """float32, in memory of its own (not the file's mapping); rows already in transformers' order."""

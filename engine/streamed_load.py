@@ -100,20 +100,31 @@ class _LayerBuilder:
     def _held_as(self, name: str, layout: str) -> bool:
         return self.source.layout(name) == layout and self._fits(name)
 
-    def _packed(self, name: str) -> torch.Tensor:
+    def _packed(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor in the layout the source holds it in (int4 or q8), straight from its blocks."""
         self.served[(self.source.type_name(name), self.source.layout(name))] += 1
-        return self.source.packed(name, self._heads(name), self.repack)
+        return self.source.packed(name, self._heads(name), self.repack, out)
 
     def _float(self, name: str) -> torch.Tensor:
         return self.source.float(name, self._heads(name))
 
-    def _q8(self, name: str) -> torch.Tensor:
+    def _q8(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """layouts.pack_q8's bytes: the source's own Q8_0 blocks, else re-quantized per 32 values."""
         if self._held_as(name, "q8"):
-            return self._packed(name)
+            return self._packed(name, out)
         self.served[(self.source.type_name(name), "q8")] += 1
-        return self.source.q8(name, self._heads(name), self.repack)
+        return self.source.q8(name, self._heads(name), self.repack, out)
+
+    def _stacked(self, names: list[str], packed_cols: int, one) -> torch.Tensor:
+        """The parts' packed rows one under the other (a fused projection), each part written in place: no
+        concatenated copy of a layer's weights exists beside its parts. one(name, out) writes a part."""
+        rows = [self.source.shape(n)[0] for n in names]
+        stacked = torch.empty(sum(rows), packed_cols, dtype=torch.uint8)
+        start = 0
+        for name, count in zip(names, rows):
+            one(name, stacked[start:start + count])
+            start += count
+        return stacked
 
     def _int8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row int8 (quant.quantize_int8) for a shape q8 cannot hold, de-quantizing a few thousand rows at a time."""
@@ -143,13 +154,13 @@ class _LayerBuilder:
         types = [self._take(n) for n in names]
         bias = self._bias(names)
         if self.mode in ("auto", "int4") and all(self._held_as(n, "int4") for n in names):
-            return Int4Linear(torch.cat([self._packed(n) for n in names]), bias)
+            return Int4Linear(self._stacked(names, self.source.shape(names[0])[1] * 5 // 8, self._packed), bias)
         if self.mode == "int4" and int4_from_float and all(self._fits(n) for n in names):
             for type_name in types:
                 self.served[(type_name, "int4 (re-quantized)")] += 1
             return Int4Linear(torch.cat([layouts.pack_int4(*quant.quantize_int4(self._float(n))) for n in names]), bias)
         if self.mode != "none" and all(self._fits(n) for n in names):
-            return Q8Linear(torch.cat([self._q8(n) for n in names]), bias)
+            return Q8Linear(self._stacked(names, self.source.shape(names[0])[1] * 17 // 16, self._q8), bias)
         if self.mode != "none":
             parts = [self._int8(name) for name in names]
             return Int8Linear(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), bias)

@@ -48,8 +48,9 @@ class CpuKernels:
     int4_mm: Callable | None = None  # (x [M, K], layouts.pack_int4 weight) -> [M, N]
     bf16_mm: Callable | None = None  # (x [M, K] bf16, layouts.pack_bf16 weight) -> [M, N] bf16
     decode_attention: Callable | None = None  # (q, k_cache, v_cache, context_slots, context_lens, scale)
-    # (raw uint8 [rows, bytes per row] of a GGUF matrix, ggml type id, columns, int4: bool) -> the int4 or q8
-    # layout's bytes, at load time; None: engine/gguf_blocks.py's torch twins do it
+    # (raw uint8 [rows, bytes per row] of a GGUF matrix, ggml type id, columns, int4: bool, out=None) -> the int4
+    # or q8 layout's bytes (written into `out` where given), at load time; None: engine/gguf_blocks.py's torch
+    # twins do it
     gguf_repack: Callable | None = None
 
     def describe(self) -> str:

@@ -40,35 +40,51 @@ inline void k_scale_min(const uint8_t* s, int j, int& scale, int& minimum) {
   }
 }
 
-// Block b (32 values) of a 4-bit row: q in 0..15, and the fp16 bits of d and m (w = d * q + m).
-void int4_block(int type, const uint8_t* row, int64_t b, uint8_t* q, uint16_t& d, uint16_t& m) {
-  if (type == kQ4_0 || type == kQ4_1) {
+inline uint32_t word_at(const uint8_t* p) {
+  uint32_t word;
+  std::memcpy(&word, p, 4);
+  return word;
+}
+
+constexpr uint32_t kLowNibbles = 0x0F0F0F0Fu;
+
+// Block b (32 values) of a 4-bit row as layouts.pack_int4's 4 register words of that row (word j: columns
+// 8j..8j+3 in the low nibbles, 8j+4..8j+7 in the high ones), built from whole 32-bit words of the file's nibbles,
+// and the fp16 bits of d and m (w = d * q + m).
+template <int type>
+inline void int4_block(const uint8_t* row, int64_t b, uint32_t* words, uint16_t& d, uint16_t& m) {
+  if constexpr (type == kQ4_0 || type == kQ4_1) {
+    // 16 bytes: values 0..15 in the low nibbles, 16..31 in the high ones.
     const uint8_t* block = row + b * (type == kQ4_0 ? 18 : 20);
     const uint8_t* qs = block + (type == kQ4_0 ? 2 : 4);
-    for (int i = 0; i < 16; ++i) {
-      q[i] = qs[i] & 0x0F;
-      q[i + 16] = qs[i] >> 4;
-    }
+    const uint32_t b0 = word_at(qs), b1 = word_at(qs + 4), b2 = word_at(qs + 8), b3 = word_at(qs + 12);
+    words[0] = (b0 & kLowNibbles) | ((b1 & kLowNibbles) << 4);
+    words[1] = (b2 & kLowNibbles) | ((b3 & kLowNibbles) << 4);
+    words[2] = ((b0 >> 4) & kLowNibbles) | (b1 & ~kLowNibbles);
+    words[3] = ((b2 >> 4) & kLowNibbles) | (b3 & ~kLowNibbles);
     std::memcpy(&d, block, 2);
-    if (type == kQ4_1) std::memcpy(&m, block + 2, 2);
+    if constexpr (type == kQ4_1) std::memcpy(&m, block + 2, 2);
     else m = float_to_half(-8 * half_to_float(block));  // exact
-    return;
+  } else {  // Q4_K: 144 bytes per 256 values; each 32 bytes of nibbles hold sub-block 2c (low) and 2c + 1 (high)
+    const uint8_t* block = row + (b / 8) * 144;
+    const int j = static_cast<int>(b % 8);
+    int scale, minimum;
+    k_scale_min(block + 4, j, scale, minimum);
+    const uint8_t* qs = block + 16 + 32 * (j / 2);
+    for (int w = 0; w < 4; ++w) {
+      const uint32_t first = word_at(qs + 8 * w), second = word_at(qs + 8 * w + 4);
+      words[w] = j % 2 == 0 ? (first & kLowNibbles) | ((second & kLowNibbles) << 4)
+                            : ((first >> 4) & kLowNibbles) | (second & ~kLowNibbles);
+    }
+    d = float_to_half(half_to_float(block) * static_cast<float>(scale));
+    m = float_to_half(-(half_to_float(block + 2) * static_cast<float>(minimum)));
   }
-  // Q4_K: 144 bytes per 256 values; each 32 bytes of nibbles hold sub-block 2c (low) and 2c + 1 (high).
-  const uint8_t* block = row + (b / 8) * 144;
-  const int j = static_cast<int>(b % 8);
-  int scale, minimum;
-  k_scale_min(block + 4, j, scale, minimum);
-  const uint8_t* qs = block + 16 + 32 * (j / 2);
-  const int shift = 4 * (j % 2);
-  for (int i = 0; i < 32; ++i) q[i] = (qs[i] >> shift) & 0x0F;
-  d = float_to_half(half_to_float(block) * static_cast<float>(scale));
-  m = float_to_half(-(half_to_float(block + 2) * static_cast<float>(minimum)));
 }
 
 // Block b (32 values) of a row as float32, as gguf's numpy de-quantizer computes it.
-void float_block(int type, const uint8_t* row, int64_t b, float* w) {
-  switch (type) {
+template <int type>
+inline void float_block(const uint8_t* row, int64_t b, float* w) {
+  switch (type) {  // a constant: each instantiation keeps one case
     case kF32:
       std::memcpy(w, row + b * 128, 128);
       return;
@@ -155,10 +171,18 @@ void float_block(int type, const uint8_t* row, int64_t b, float* w) {
       const int low_shift = 4 * (within / 64), high_shift = 2 * (within / 32);
       const int8_t* scales = reinterpret_cast<const int8_t*>(super + 192) + first / 16;
       const float d = half_to_float(super + 208);
-      const float scale[2] = {d * static_cast<float>(scales[0]), d * static_cast<float>(scales[1])};
-      for (int i = 0; i < 32; ++i) {
-        const int q = (((ql[i] >> low_shift) & 0x0F) | (((qh[i] >> high_shift) & 0x03) << 4)) - 32;
-        w[i] = scale[i / 16] * static_cast<float>(q);
+      const __m256i nibbles = _mm256_and_si256(
+          _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql)), _mm_cvtsi32_si128(low_shift)),
+          _mm256_set1_epi8(0x0F));
+      const __m256i twos = _mm256_and_si256(
+          _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)), _mm_cvtsi32_si128(high_shift)),
+          _mm256_set1_epi8(0x03));
+      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nibbles, _mm256_slli_epi16(twos, 4)), _mm256_set1_epi8(32));
+      alignas(32) int8_t values[32];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(values), q);
+      for (int k = 0; k < 4; ++k) {  // values 8k..8k+7, with the scale of their 16
+        const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(values + 8 * k))));
+        _mm256_storeu_ps(w + 8 * k, _mm256_mul_ps(_mm256_set1_ps(d * static_cast<float>(scales[k / 2])), x));
       }
       return;
     }
@@ -207,17 +231,20 @@ int64_t gguf_row_bytes(int type, int64_t cols) { return row_bytes(type, cols); }
 
 bool gguf_has_int4(int type) { return type == kQ4_0 || type == kQ4_1 || type == kQ4_K; }
 
-void gguf_int4_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
-  const int64_t stride = row_bytes(p.type, p.cols), blocks = p.cols / kInt4GroupCols;
+namespace {
+
+// Row r's 4 words of a block into registers j = 0..3 of its group (layouts.pack_int4).
+template <int type>
+void int4_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
+  const int64_t stride = row_bytes(type, p.cols), blocks = p.cols / kInt4GroupCols;
   for (int64_t g = g0; g < g1; ++g) {
     for (int64_t b = 0; b < blocks; ++b) {
       uint8_t* out = p.out + (g * blocks + b) * kInt4GroupBytes;
       for (int r = 0; r < kInt4GroupRows; ++r) {
-        uint8_t q[32];
+        uint32_t words[4];
         uint16_t d, m;
-        int4_block(p.type, p.raw + (g * kInt4GroupRows + r) * stride, b, q, d, m);
-        for (int j = 0; j < 4; ++j)  // register j, row r: columns 8j..8j+3 low, 8j+4..8j+7 high
-          for (int t = 0; t < 4; ++t) out[32 * j + 4 * r + t] = q[8 * j + t] | (q[8 * j + 4 + t] << 4);
+        int4_block<type>(p.raw + (g * kInt4GroupRows + r) * stride, b, words, d, m);
+        for (int j = 0; j < 4; ++j) std::memcpy(out + 32 * j + 4 * r, &words[j], 4);
         std::memcpy(out + 128 + 2 * r, &d, 2);
         std::memcpy(out + 144 + 2 * r, &m, 2);
       }
@@ -225,8 +252,10 @@ void gguf_int4_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
   }
 }
 
-void gguf_q8_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
-  const int64_t stride = row_bytes(p.type, p.cols), blocks = p.cols / kQ8GroupCols;
+// Row r's 32 values of a block into registers j = 0..7, 4 bytes each, as q + 128 (flipping the top bit).
+template <int type>
+void q8_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
+  const int64_t stride = row_bytes(type, p.cols), blocks = p.cols / kQ8GroupCols;
   for (int64_t g = g0; g < g1; ++g) {
     for (int64_t b = 0; b < blocks; ++b) {
       uint8_t* out = p.out + (g * blocks + b) * kQ8GroupBytes;
@@ -234,19 +263,49 @@ void gguf_q8_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
         const uint8_t* row = p.raw + (g * kQ8GroupRows + r) * stride;
         int8_t q[32];
         uint16_t d;
-        if (p.type == kQ8_0) {  // as it is
+        if constexpr (type == kQ8_0) {  // as it is
           std::memcpy(&d, row + b * 34, 2);
           std::memcpy(q, row + b * 34 + 2, 32);
         } else {
-          float w[32];
-          float_block(p.type, row, b, w);
+          alignas(32) float w[32];
+          float_block<type>(row, b, w);
           quantize_block(w, q, d);
         }
-        for (int j = 0; j < 8; ++j)  // register j, row r: columns 4j..4j+3, stored as q + 128
-          for (int t = 0; t < 4; ++t) out[32 * j + 4 * r + t] = static_cast<uint8_t>(q[4 * j + t] + 128);
+        for (int j = 0; j < 8; ++j) {
+          uint32_t word;
+          std::memcpy(&word, q + 4 * j, 4);
+          word ^= 0x80808080u;
+          std::memcpy(out + 32 * j + 4 * r, &word, 4);
+        }
         std::memcpy(out + 256 + 2 * r, &d, 2);
       }
     }
+  }
+}
+
+}  // namespace
+
+void gguf_int4_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
+  switch (p.type) {
+    case kQ4_0: return int4_groups<kQ4_0>(p, g0, g1);
+    case kQ4_1: return int4_groups<kQ4_1>(p, g0, g1);
+    case kQ4_K: return int4_groups<kQ4_K>(p, g0, g1);
+  }
+}
+
+void gguf_q8_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
+  switch (p.type) {
+    case kF32: return q8_groups<kF32>(p, g0, g1);
+    case kF16: return q8_groups<kF16>(p, g0, g1);
+    case kBF16: return q8_groups<kBF16>(p, g0, g1);
+    case kQ4_0: return q8_groups<kQ4_0>(p, g0, g1);
+    case kQ4_1: return q8_groups<kQ4_1>(p, g0, g1);
+    case kQ4_K: return q8_groups<kQ4_K>(p, g0, g1);
+    case kQ5_0: return q8_groups<kQ5_0>(p, g0, g1);
+    case kQ5_1: return q8_groups<kQ5_1>(p, g0, g1);
+    case kQ5_K: return q8_groups<kQ5_K>(p, g0, g1);
+    case kQ6_K: return q8_groups<kQ6_K>(p, g0, g1);
+    case kQ8_0: return q8_groups<kQ8_0>(p, g0, g1);
   }
 }
 

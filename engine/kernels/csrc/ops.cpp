@@ -10,6 +10,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <vector>
 
 #include "decode_step.h"
@@ -101,7 +102,8 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, c
 }
 
 // raw: uint8 [rows, bytes per row], a GGUF matrix's blocks of ggml type `type` -> the int4 or q8 layout's bytes.
-at::Tensor gguf_repack(const at::Tensor& raw, int64_t type, int64_t cols, bool int4) {
+// out: where to write (e.g. a fused projection's rows of this part), else a new tensor.
+at::Tensor gguf_repack(const at::Tensor& raw, int64_t type, int64_t cols, bool int4, const std::optional<at::Tensor>& out_in) {
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.device().is_cpu(),
               "gguf_repack: raw must be contiguous uint8 [rows, bytes per row] on the CPU");
   const int64_t rows = raw.size(0), group_cols = int4 ? kInt4GroupCols : kQ8GroupCols;
@@ -110,7 +112,10 @@ at::Tensor gguf_repack(const at::Tensor& raw, int64_t type, int64_t cols, bool i
               " cannot be repacked into ", int4 ? "int4" : "q8");
   TORCH_CHECK(rows % kInt4GroupRows == 0 && cols % group_cols == 0 && raw.size(1) == bytes,
               "gguf_repack: rows must be a multiple of 8, cols of 32 (256 for K-quants), raw [rows, ", bytes, "]");
-  at::Tensor out = at::empty({rows, int4 ? cols * 5 / 8 : cols * 17 / 16}, raw.options());
+  const int64_t out_cols = int4 ? cols * 5 / 8 : cols * 17 / 16;
+  at::Tensor out = out_in.has_value() ? *out_in : at::empty({rows, out_cols}, raw.options());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == out_cols && out.scalar_type() == at::kByte &&
+                  out.is_contiguous(), "gguf_repack: out must be contiguous uint8 [", rows, ", ", out_cols, "]");
   const GgufRepack p{raw.data_ptr<uint8_t>(), static_cast<int>(type), cols, out.data_ptr<uint8_t>()};
   at::parallel_for(0, rows / kInt4GroupRows, 16, [&](int64_t g0, int64_t g1) {
     if (int4) gguf_int4_groups(p, g0, g1);
@@ -123,7 +128,7 @@ at::Tensor gguf_repack(const at::Tensor& raw, int64_t type, int64_t cols, bool i
 }  // namespace tern
 
 TORCH_LIBRARY(tern, m) {
-  m.def("gguf_repack(Tensor raw, int type, int cols, bool int4) -> Tensor");
+  m.def("gguf_repack(Tensor raw, int type, int cols, bool int4, Tensor(a!)? out=None) -> Tensor");
   m.def("int4_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q8_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("decode_attention_avx2(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, Tensor context_lens, "
