@@ -84,7 +84,9 @@ PAGE_CSS = """
 
 def build_ui(handle: EngineHandle) -> gr.Blocks:
     """The whole UI; handlers reach the engine through `handle`, so it can be built before the model loads."""
-    with gr.Blocks(title="Tern") as blocks:
+    # analytics_enabled=False: Gradio would otherwise report usage and check its version over the internet at
+    # every start (two threads, and traffic an operator did not ask for); the server stays on its machine.
+    with gr.Blocks(title="Tern", analytics_enabled=False) as blocks:
         gr.HTML(PAGE_CSS, padding=False, elem_id="tern-style")
         header = gr.Markdown(describe_model(handle), elem_id="tern-header")
         with gr.Tabs():
