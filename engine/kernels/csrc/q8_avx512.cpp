@@ -16,7 +16,7 @@
 namespace tern {
 namespace {
 
-constexpr int kTileRows = 4;  // activation rows sharing each weight load
+constexpr int kTileRows = 8;  // activation rows sharing each weight load
 constexpr int64_t kPrefetchBlocks = 4;  // as the int4 kernel: both streams 4 blocks ahead
 
 // out[m, rows n0..n0+15] for MB activation rows against groups wa (rows n0..n0+7) and wb (n0+8..n0+15).
@@ -62,6 +62,10 @@ void q8_groups_avx512(const Q8Problem& p, int64_t g0, int64_t g1) {
         case 1: pair_rows<1>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
         case 2: pair_rows<2>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
         case 3: pair_rows<3>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
+        case 4: pair_rows<4>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
+        case 5: pair_rows<5>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
+        case 6: pair_rows<6>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
+        case 7: pair_rows<7>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
         default: pair_rows<kTileRows>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
       }
     }

@@ -13,7 +13,7 @@ from engine.kernels import layouts
 import reference
 from conftest import require_op as require
 
-ROWS = [1, 2, 3, 5, 17, 40, 300]  # tiles of 4 rows, with every remainder
+ROWS = [1, 2, 3, 5, 6, 15, 17, 40, 300]  # tiles of 8 rows (AVX512) or 4 (AVX2), with every remainder
 
 
 def _activations(rows: int, k: int, dtype: torch.dtype, generator) -> torch.Tensor:
