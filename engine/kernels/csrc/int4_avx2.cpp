@@ -55,7 +55,7 @@ inline void group_rows(const Int4Problem& p, int64_t m0, const uint8_t* w, int64
       const float x_scale = q.scales[block];
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[m], ones));
       acc[m] = _mm256_add_ps(acc[m], _mm256_mul_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x_scale))));
-      acc[m] = _mm256_add_ps(acc[m], _mm256_mul_ps(minimum, _mm256_set1_ps(x_scale * static_cast<float>(q.sums[block]))));
+      acc[m] = _mm256_add_ps(acc[m], _mm256_mul_ps(minimum, _mm256_set1_ps(q.sum_scales[block])));
     }
   }
   for (int m = 0; m < MB; ++m) avx2::store8(p.out, (m0 + m) * p.N + n0, acc[m], p.out_bf16);
@@ -97,7 +97,7 @@ inline void group_pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa,
         const float x_scale = q.scales[block];
         const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[g][m], ones));
         acc[g][m] = _mm256_add_ps(acc[g][m], _mm256_mul_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x_scale))));
-        acc[g][m] = _mm256_add_ps(acc[g][m], _mm256_mul_ps(minimum, _mm256_set1_ps(x_scale * static_cast<float>(q.sums[block]))));
+        acc[g][m] = _mm256_add_ps(acc[g][m], _mm256_mul_ps(minimum, _mm256_set1_ps(q.sum_scales[block])));
       }
     }
   }

@@ -59,7 +59,7 @@ inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa, const
       const int64_t block = (m0 + m) * q.blocks + c;
       const float x_scale = q.scales[block];
       acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(d, _mm512_set1_ps(x_scale))));
-      acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(minimum, _mm512_set1_ps(x_scale * static_cast<float>(q.sums[block]))));
+      acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(minimum, _mm512_set1_ps(q.sum_scales[block])));
     }
   }
   for (int m = 0; m < MB; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, acc[m], p.out_bf16);

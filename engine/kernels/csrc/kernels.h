@@ -17,6 +17,7 @@ struct QuantizedRows {
   int8_t* values;
   float* scales;
   int32_t* sums;
+  float* sum_scales;  // scales[i] * sums[i] (the int4 minimum's factor): computed once, not once per weight group
 };
 
 // Rows [m0, m1) of x [M, K] (float32, or bfloat16 bits when bf16) into q: q = round_half_even(x * 127 / absmax).

@@ -20,12 +20,14 @@ struct QuantizedScratch {
   std::vector<int8_t> values;
   std::vector<float> scales;
   std::vector<int32_t> sums;
+  std::vector<float> sum_scales;
 
   QuantizedRows quantize(const void* x, bool bf16, int64_t M, int64_t K, int64_t block) {
     values.resize(M * K);
     scales.resize(M * K / block);
     sums.resize(M * K / block);
-    QuantizedRows rows{K, block, K / block, values.data(), scales.data(), sums.data()};
+    sum_scales.resize(M * K / block);
+    QuantizedRows rows{K, block, K / block, values.data(), scales.data(), sums.data(), sum_scales.data()};
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { quantize_rows_avx2(x, bf16, m0, m1, rows); });
     return rows;
   }

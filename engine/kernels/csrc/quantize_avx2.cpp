@@ -38,6 +38,7 @@ void quantize_rows_avx2(const void* x, bool bf16, int64_t m0, int64_t m1, const 
       const __m128i s2 = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
       q.sums[m * q.blocks + b] = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
       q.scales[m * q.blocks + b] = absmax / 127.f;
+      q.sum_scales[m * q.blocks + b] = q.scales[m * q.blocks + b] * static_cast<float>(q.sums[m * q.blocks + b]);
     }
 }
 
