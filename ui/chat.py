@@ -38,6 +38,8 @@ class ChatSession:
 
     show_probs: bool = False
     num_clears: int = 0
+    # Set when no reply streams into this conversation: Clear waits for it (see clear_chat).
+    reply_ended: asyncio.Event | None = None
 
 
 def add_user_message(message: str, history: list[dict], show_probs: bool) -> tuple:
@@ -84,6 +86,7 @@ async def generate_reply(
         yield render_chatbot(history, session.show_probs), history, report_error(exc)
         return
     num_clears = session.num_clears
+    ended = session.reply_ended = asyncio.Event()
     reply = {"role": "assistant", "content": "", "tokens": []}
     if schema:
         reply["json_check"] = STREAMING
@@ -109,6 +112,7 @@ async def generate_reply(
     finally:
         if not stream.finished:  # stopped early: free the engine's KV blocks now
             engine.abort(stream.request_id)
+        ended.set()
 
 
 def drop_last_reply(history: list[dict], show_probs: bool) -> tuple:
@@ -133,9 +137,24 @@ def input_updates(is_generating: bool) -> tuple:
             gr.update(interactive=not is_generating), gr.update(interactive=not is_generating))
 
 
-def clear_chat(session: ChatSession) -> tuple:
-    """Empty the conversation, and end a reply still streaming into it. -> (chatbot, history, notice), all empty."""
+# How long Clear waits for a streaming reply to end: it ends at its next token or when Gradio cancels it, so this
+# bounds only a step that takes longer (a long prompt's prefill); the conversation is emptied either way.
+CLEAR_WAIT_S = 10.0
+
+
+async def clear_chat(session: ChatSession) -> tuple:
+    """Empty the conversation, and end a reply still streaming into it. -> (chatbot, history, notice), all empty.
+
+    Returns once that reply has ended. Its updates travel to the page on the queue's stream and this answer on a
+    request of its own, so an update the reply sent just before Clear could otherwise reach the page after the
+    empty conversation and write the reply back (seen in the browser test)."""
     session.num_clears += 1
+    ended = session.reply_ended
+    if ended is not None:
+        try:
+            await asyncio.wait_for(ended.wait(), CLEAR_WAIT_S)
+        except TimeoutError:
+            pass
     return [], [], ""
 
 

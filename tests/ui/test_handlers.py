@@ -137,12 +137,13 @@ def test_retry_regenerates_the_last_turn(handle):
 
 
 def test_clear_empties_the_conversation():
-    assert clear_chat(ChatSession()) == ([], [], "")
+    assert asyncio.run(clear_chat(ChatSession())) == ([], [], "")
 
 
 def test_clear_mid_stream_ends_the_reply_and_nothing_comes_back(handle):
     """Clear races Gradio's cancellation of the reply: should tokens arrive first, the reply must not write the
-    cleared conversation back; it ends, and the engine drops the request."""
+    cleared conversation back; it ends, and the engine drops the request. Clear answers only once the reply has
+    ended, so its empty conversation is the last update the page gets."""
     _, history, _, _ = add_user_message("Write a very long story about a dragon.", [], False)
     session = ChatSession()
 
@@ -150,8 +151,11 @@ def test_clear_mid_stream_ends_the_reply_and_nothing_comes_back(handle):
         replies = generate_reply(handle, history, *{**GREEDY, "session": session, "max_tokens": 100}.values())
         await replies.__anext__()
         await replies.__anext__()
-        cleared = clear_chat(session)
-        return cleared, [out async for out in replies]
+        clearing = asyncio.create_task(clear_chat(session))
+        await asyncio.sleep(0)  # Clear has run up to its wait
+        assert not clearing.done()  # the reply still streams: Clear has not answered yet
+        after_clear = [out async for out in replies]
+        return await clearing, after_clear
 
     cleared, after_clear = asyncio.run(clear_after_two_updates())
     assert cleared == ([], [], "") and after_clear == []
