@@ -4,9 +4,12 @@
 entry here plus its repacking (or kernel). The block layouts are llama.cpp's (ggml-common.h), as the `gguf`
 package's reference de-quantizers read them; the tests hold every repacking to those references.
 
+- `q4` (layouts.pack_q4: per 32 values of a row, w = d * (q - 8) with fp16 d): Q4_0, exact, in the file's own
+  18 bytes per 32 values. Where a fused projection joins it to int4 parts, Q4_0 goes into int4 instead (`int4`
+  below: m = -8 d, exact).
 - `int4` (Tern's 4-bit layout, layouts.pack_int4: per 32 values of a row, w = d * q + m with fp16 d and m):
-  Q4_0 (m = -8 d, exact), Q4_1 (exact), Q4_K (per sub-block of 32, d = super_d * scale and m = -super_dmin * min,
-  both products rounded to fp16: the file computes them in fp32).
+  Q4_1 (exact), Q4_K (per sub-block of 32, d = super_d * scale and m = -super_dmin * min, both products rounded
+  to fp16: the file computes them in fp32).
 - `q8` (Tern's 8-bit layout, layouts.pack_q8: per 32 values of a row, w = d * q with q int8 and fp16 d): Q8_0,
   exact (the same block, its bytes reordered).
 - `dequantize`: read as float32 one tensor at a time with `gguf`'s own reference, then handled as a checkpoint's
@@ -32,9 +35,18 @@ Q8Parts = tuple[torch.Tensor, torch.Tensor]  # q int8 [N, K], d fp16 [N, K/32]
 
 @dataclass(frozen=True)
 class GgufType:
-    layout: str  # "int4", "q8" or "dequantize"
+    layout: str  # "int4", "q4", "q8" or "dequantize"
     repack: Callable[[torch.Tensor], torch.Tensor] | None = None  # uint8 [rows, bytes per row] -> the layout's bytes
     plain: Callable[[torch.Tensor], tuple] | None = None  # the same as the layout's parts: the twin tests hold it to
+    int4: Callable[[torch.Tensor], torch.Tensor] | None = None  # a q4 type's blocks into int4 (a fused layer's parts)
+
+    def repack_into(self, layout: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The torch repacking into `layout`: the type's own, or int4 for a q4 type."""
+        if layout == self.layout:
+            return self.repack
+        if layout == "int4" and self.int4 is not None:
+            return self.int4
+        raise ValueError(f"no repacking of {self.layout} blocks into {layout}")
 
 
 def _split(blocks: torch.Tensor, block_bytes: int) -> torch.Tensor:
@@ -60,6 +72,12 @@ def q4_0_to_int4(blocks: torch.Tensor) -> Int4Parts:
     d = _fp16(b[..., 0:2])
     q = _low_high(b[..., 2:18])
     return q.reshape(blocks.shape[0], -1), d, (-8 * d.float()).to(torch.float16)
+
+
+def q4_0_to_q4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0: 18 bytes per 32 values, fp16 d then 16 bytes of nibbles; w = d * (q - 8): Tern's q4 as it is."""
+    b = _split(blocks, 18)
+    return _low_high(b[..., 2:18]).reshape(blocks.shape[0], -1), _fp16(b[..., 0:2])
 
 
 def q4_1_to_int4(blocks: torch.Tensor) -> Int4Parts:
@@ -119,15 +137,16 @@ def _words_from_32_bytes(quads: torch.Tensor, high: bool) -> torch.Tensor:
     return (first & LOW_NIBBLES) | ((second & LOW_NIBBLES) << 4)
 
 
-def _pack_words(words: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Register words int32 [N, blocks, 4], d and m fp16 [N, blocks] -> layouts.pack_int4's uint8 [N, K * 5 / 8]."""
+def _pack_words(words: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
+    """Register words int32 [N, blocks, 4], d and m fp16 [N, blocks] -> layouts.pack_int4's uint8 [N, K * 5 / 8];
+    without m, layouts.pack_q4's uint8 [N, K * 9 / 16]."""
     rows, blocks = d.shape
     groups = rows // layouts.INT4_GROUP_ROWS
     nibbles = words.reshape(groups, layouts.INT4_GROUP_ROWS, blocks, 4).permute(0, 2, 3, 1)
     scales = [s.reshape(groups, layouts.INT4_GROUP_ROWS, blocks).transpose(1, 2).contiguous().view(torch.int32)
-              for s in (d, m)]  # [group, block, 4 words = 8 fp16]
-    packed = torch.cat([nibbles.reshape(groups, blocks, 32), *scales], dim=-1)  # 40 words = 160 bytes
-    return packed.view(torch.uint8).reshape(rows, blocks * 20)
+              for s in (d, m) if s is not None]  # [group, block, 4 words = 8 fp16]
+    packed = torch.cat([nibbles.reshape(groups, blocks, 32), *scales], dim=-1)  # 40 words (160 bytes), or 36
+    return packed.view(torch.uint8).reshape(rows, -1)
 
 
 def _int32(raw: torch.Tensor) -> torch.Tensor:
@@ -138,6 +157,11 @@ def q4_0_packed(blocks: torch.Tensor) -> torch.Tensor:
     b = _split(blocks, 18)
     d = _fp16(b[..., 0:2])
     return _pack_words(_words_from_low_high(_int32(b[..., 2:18])), d, (-8 * d.float()).to(torch.float16))
+
+
+def q4_0_packed_q4(blocks: torch.Tensor) -> torch.Tensor:
+    b = _split(blocks, 18)
+    return _pack_words(_words_from_low_high(_int32(b[..., 2:18])), _fp16(b[..., 0:2]))
 
 
 def q4_1_packed(blocks: torch.Tensor) -> torch.Tensor:
@@ -171,7 +195,7 @@ GGUF_TYPES: dict[T, GgufType] = {
     T.F32: GgufType("dequantize"),
     T.F16: GgufType("dequantize"),
     T.BF16: GgufType("dequantize"),
-    T.Q4_0: GgufType("int4", q4_0_packed, q4_0_to_int4),
+    T.Q4_0: GgufType("q4", q4_0_packed_q4, q4_0_to_q4, int4=q4_0_packed),
     T.Q4_1: GgufType("int4", q4_1_packed, q4_1_to_int4),
     T.Q4_K: GgufType("int4", q4_k_packed, q4_k_to_int4),
     T.Q5_0: GgufType("dequantize"),

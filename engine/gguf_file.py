@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType as T
 from engine.errors import ModelLoadError
 from engine import quant
 from engine.gguf_blocks import GGUF_TYPES, dequantize, supported_names
+from engine.kernels import GGUF_REPACK_LAYOUTS
 from engine.models import NATIVE_MODELS
 
 # llama.cpp's converter reorders the rows of q and k for these (its RoPE pairs neighbours, HF's pairs halves).
@@ -139,19 +140,22 @@ class GgufFile:
         return list(self._tensors)
 
     def layout(self, name: str) -> str | None:
-        """The Tern layout the file's blocks of this tensor go into as they are ("int4", "q8"), or None."""
+        """The Tern layout the file's blocks of this tensor go into as they are ("int4", "q4", "q8"), or None."""
         layout = GGUF_TYPES[self._tensors[name].tensor_type].layout
         return None if layout == "dequantize" else layout
 
-    def packed(self, name: str, num_heads: int | None = None, repack=None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The tensor in its layout's bytes (layouts.pack_int4 or pack_q8), straight from its blocks: with the
-        kernel library's `repack` (CpuKernels.gguf_repack) where given, else with gguf_blocks' torch twin; written
-        into `out` where given (a fused projection's rows of this part)."""
+    def packed(self, name: str, num_heads: int | None = None, repack=None, out: torch.Tensor | None = None,
+               layout: str | None = None) -> torch.Tensor:
+        """The tensor in its layout's bytes (layouts.pack_int4, pack_q4 or pack_q8; `layout` "int4" puts q4 blocks
+        in int4's, exactly), straight from its blocks: with the kernel library's `repack` (CpuKernels.gguf_repack)
+        where given, else with gguf_blocks' torch twin; written into `out` where given (a fused projection's rows of
+        this part)."""
         tensor = self._tensors[name]
+        layout = layout or self.layout(name)
         if repack is not None:
             return repack(self.raw(name, num_heads), int(tensor.tensor_type), self.shape(name)[1],
-                          self.layout(name) == "int4", out)
-        return _into(GGUF_TYPES[tensor.tensor_type].repack(self.raw(name, num_heads)), out)
+                          GGUF_REPACK_LAYOUTS[layout], out)
+        return _into(GGUF_TYPES[tensor.tensor_type].repack_into(layout)(self.raw(name, num_heads)), out)
 
     def q8(self, name: str, num_heads: int | None = None, repack=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The matrix in layouts.pack_q8's bytes: Q8_0 blocks as they are, any other type re-quantized per 32 values
@@ -159,7 +163,8 @@ class GgufFile:
         a few thousand rows at a time; written into `out` where given."""
         tensor = self._tensors[name]
         if repack is not None:
-            return repack(self.raw(name, num_heads), int(tensor.tensor_type), self.shape(name)[1], False, out)
+            return repack(self.raw(name, num_heads), int(tensor.tensor_type), self.shape(name)[1],
+                          GGUF_REPACK_LAYOUTS["q8"], out)
         if self.layout(name) == "q8":
             return self.packed(name, num_heads, out=out)
         return _into(torch.cat([quant.pack_q8(rows) for rows in self.float_rows(name, num_heads)]), out)

@@ -13,12 +13,12 @@ import torch
 
 from engine.kernels import CpuKernels
 from engine.kv_cache import KVCache
-from engine.layers import PackedInt4Linear, PackedQ8Linear
+from engine.layers import PackedInt4Linear, PackedQ4Linear, PackedQ8Linear
 from engine.models.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
 
 # The packed layers the step multiplies, by the number decode_step.h's WeightKind gives each.
-WEIGHT_KINDS = {PackedQ8Linear: 0, PackedInt4Linear: 1}
+WEIGHT_KINDS = {PackedQ8Linear: 0, PackedInt4Linear: 1, PackedQ4Linear: 2}
 
 
 def unsupported_reason(model, kv_cache: KVCache, kernels: CpuKernels, dtype: torch.dtype) -> str | None:
@@ -37,7 +37,7 @@ def unsupported_reason(model, kv_cache: KVCache, kernels: CpuKernels, dtype: tor
     for layer in model.model.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             if type(linear) not in WEIGHT_KINDS:
-                return f"its linear layers must be packed q8 or int4 weights ({type(linear).__name__} here)"
+                return f"its linear layers must be packed q8, int4 or q4 weights ({type(linear).__name__} here)"
     return None
 
 

@@ -20,8 +20,8 @@ Fused projections (qkv_proj, gate_up_proj) quantize per output row (LLM.int8(), 
 rows (q8, 4-bit), so fusing before quantizing changes nothing.
 
 `pack_for_cpu` is the step after: it swaps each layer whose shape fits for its packed twin (engine/layers.py)
-holding the operator of the kernel path chosen for this process (engine.kernels.select): q8 and int4 layers,
-and bf16 ones of the unquantized mode where the CPU has AVX512-BF16.
+holding the operator of the kernel path chosen for this process (engine.kernels.select): q8, int4 and q4 layers
+(q4: a GGUF's Q4_0 tensors, engine/gguf_blocks.py), and bf16 ones of the unquantized mode where the CPU has AVX512-BF16.
 """
 from __future__ import annotations
 
@@ -41,7 +41,9 @@ from engine.layers import (
     PackedBf16Embedding,
     PackedBf16Linear,
     PackedInt4Linear,
+    PackedQ4Linear,
     PackedQ8Linear,
+    Q4Linear,
     Q8Embedding,
     Q8Linear,
 )
@@ -182,9 +184,9 @@ def quantize(model: nn.Module, mode: str, device: torch.device, dtype: torch.dty
 
 
 def pack_for_cpu(model: nn.Module, kernels: CpuKernels) -> None:
-    """Swap every plain q8 / int4 layer (and, where the CPU has AVX512-BF16, every bf16 nn.Linear) whose shape
-    fits for its packed twin holding `kernels`' operator; without a kernel, int4 layers go to aten's int4pack and
-    q8 ones to per-row int8 for aten's int8pack.
+    """Swap every plain q8 / int4 / q4 layer (and, where the CPU has AVX512-BF16, every bf16 nn.Linear) whose shape
+    fits for its packed twin holding `kernels`' operator; without a kernel, int4 and q4 layers go to aten's int4pack
+    and q8 ones to per-row int8 for aten's int8pack.
     Tied layers keep sharing one matrix. Logs how many matrices each kernel serves."""
     counts: dict[str, int] = {}
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -202,6 +204,9 @@ def pack_for_cpu(model: nn.Module, kernels: CpuKernels) -> None:
         elif type(child) is Int4Linear and child.weight_packed.device.type == "cpu":
             new = (PackedInt4Linear(child.weight_packed, child.bias, kernels.int4_mm) if kernels.int4_mm
                    else AtenInt4Linear(child.weight_packed, child.bias))
+        elif type(child) is Q4Linear and child.weight_packed.device.type == "cpu":
+            new = (PackedQ4Linear(child.weight_packed, child.bias, kernels.q4_mm) if kernels.q4_mm
+                   else AtenInt4Linear(layouts.q4_as_int4(child.weight_packed), child.bias))
         elif (type(child) is nn.Linear and kernels.bf16_mm and child.weight.dtype == torch.bfloat16
               and layouts.can_pack_bf16(child.weight)):
             key = child.weight.data_ptr()

@@ -3,6 +3,7 @@ C++ sources in csrc/ (build.py), and the packed weight layouts they read (layout
 measured to choose them. The PyTorch references the kernels are held to live in the tests."""
 from engine.kernels.dispatch import (
     ENV_VAR,
+    GGUF_REPACK_LAYOUTS,
     PATHS,
     CpuKernels,
     KernelsUnavailable,
@@ -14,5 +15,5 @@ from engine.kernels.dispatch import (
     unsupported_reason,
 )
 
-__all__ = ["ENV_VAR", "PATHS", "CpuKernels", "KernelsUnavailable", "describe_path", "kernels_for", "planned_path",
+__all__ = ["ENV_VAR", "GGUF_REPACK_LAYOUTS", "PATHS", "CpuKernels", "KernelsUnavailable", "describe_path", "kernels_for", "planned_path",
            "prebuild", "select", "unsupported_reason"]

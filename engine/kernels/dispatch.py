@@ -34,6 +34,10 @@ REQUIRED_FLAGS = {
 BF16_FLAG = "avx512_bf16"
 
 
+# The `layout` argument of torch.ops.tern.gguf_repack (kernels.h: GgufLayout).
+GGUF_REPACK_LAYOUTS = {"q8": 0, "int4": 1, "q4": 2}
+
+
 class KernelsUnavailable(RuntimeError):
     """A path cannot run here; the message says why in one line."""
 
@@ -46,11 +50,12 @@ class CpuKernels:
     reason: str  # why this path: what was asked for, or what the CPU lacks
     q8_mm: Callable | None = None  # (x [M, K], layouts.pack_q8 weight) -> [M, N]
     int4_mm: Callable | None = None  # (x [M, K], layouts.pack_int4 weight) -> [M, N]
+    q4_mm: Callable | None = None  # (x [M, K], layouts.pack_q4 weight) -> [M, N]
     bf16_mm: Callable | None = None  # (x [M, K] bf16, layouts.pack_bf16 weight) -> [M, N] bf16
     decode_attention: Callable | None = None  # (q, k_cache, v_cache, context_slots, context_lens, scale)
-    # (raw uint8 [rows, bytes per row] of a GGUF matrix, ggml type id, columns, int4: bool, out=None) -> the int4
-    # or q8 layout's bytes (written into `out` where given), at load time; None: engine/gguf_blocks.py's torch
-    # twins do it
+    # (raw uint8 [rows, bytes per row] of a GGUF matrix, ggml type id, columns, layout: GGUF_REPACK_LAYOUTS[name],
+    # out=None) -> that layout's bytes (written into `out` where given), at load time; None: engine/gguf_blocks.py's
+    # torch twins do it
     gguf_repack: Callable | None = None
 
     def describe(self) -> str:
@@ -139,8 +144,9 @@ def kernels_for(path: str, cache_dir: Path, reason: str = "") -> CpuKernels:
     _load_library(cache_dir)
     ops = torch.ops.tern
     bf16 = getattr(ops, "bf16_mm_avx512", None) if path == "avx512" and BF16_FLAG in cpu_flags() else None
-    return CpuKernels(path, reason or "asked for", getattr(ops, f"q8_mm_{path}"), getattr(ops, f"int4_mm_{path}"), bf16,
-                      getattr(ops, f"decode_attention_{path}"), ops.gguf_repack)
+    return CpuKernels(path, reason or "asked for", q8_mm=getattr(ops, f"q8_mm_{path}"),
+                      int4_mm=getattr(ops, f"int4_mm_{path}"), q4_mm=getattr(ops, f"q4_mm_{path}"), bf16_mm=bf16,
+                      decode_attention=getattr(ops, f"decode_attention_{path}"), gguf_repack=ops.gguf_repack)
 
 
 def prebuild(cache_dir: Path) -> None:
@@ -190,7 +196,8 @@ def _register_fakes() -> None:
     def attention_shape(q, k_cache, v_cache, context_slots, context_lens, scale):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
-    for names, shape in ((("q8_mm_avx2", "q8_mm_avx512", "int4_mm_avx2", "int4_mm_avx512", "bf16_mm_avx512"),
+    for names, shape in ((("q8_mm_avx2", "q8_mm_avx512", "int4_mm_avx2", "int4_mm_avx512", "q4_mm_avx2", "q4_mm_avx512",
+                           "bf16_mm_avx512"),
                           matmul_shape),
                          (("decode_attention_avx2", "decode_attention_avx512"), attention_shape)):
         for name in names:

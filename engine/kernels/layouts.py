@@ -4,6 +4,9 @@ Kernels read weights in the order they use them, so a thread streams one sequent
 - int4: per group of 8 rows and 32 columns, 160 bytes: 128 bytes of nibbles (register j of 32 bytes holds, for
   each row r at bytes 4r..4r+3, columns 8j..8j+3 in the low nibbles and 8j+4..8j+7 in the high ones), then the
   8 rows' fp16 scales d, then their fp16 minimums m. Shape uint8 [N, K * 5 / 8].
+- q4 (GGUF's Q4_0: w = d * (q - 8), one fp16 d per 32 values of a row): int4's groups without the minimums,
+  144 bytes: the same 128 bytes of nibbles, then the 8 rows' fp16 d. Shape uint8 [N, K * 9 / 16]: a Q4_0 file's
+  own 18 bytes per 32 values.
 - q8 (GGUF's Q8_0: w = d * q, q int8, one fp16 d per 32 values of a row): per group of 8 rows and 32 columns,
   272 bytes: 256 bytes of q + 128 (register j of 32 bytes holds, for each row r at bytes 4r..4r+3, columns
   4j..4j+3), then the 8 rows' fp16 scales d. Shape uint8 [N, K * 17 / 16].
@@ -35,21 +38,48 @@ def can_pack_bf16(weight: torch.Tensor) -> bool:
 
 def pack_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """q uint8 [N, K] in 0..15, d and m fp16 [N, K/32] (w = d * q + m) -> uint8 [N, K * 5 / 8]."""
+    return _pack_nibbles(q, d, m)
+
+
+def unpack_int4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `pack_int4`: (q uint8 [N, K], d fp16 [N, K/32], m fp16 [N, K/32])."""
+    return _unpack_nibbles(packed, 2)
+
+
+def pack_q4(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] in 0..15, d fp16 [N, K/32] (w = d * (q - 8)) -> uint8 [N, K * 9 / 16]."""
+    return _pack_nibbles(q, d)
+
+
+def unpack_q4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `pack_q4`: (q uint8 [N, K] in 0..15, d fp16 [N, K/32])."""
+    return _unpack_nibbles(packed, 1)
+
+
+def q4_as_int4(packed: torch.Tensor) -> torch.Tensor:
+    """A q4 matrix in int4's layout, the same weight: m = -8 d (exact in fp16)."""
+    q, d = unpack_q4(packed)
+    return pack_int4(q, d, -8 * d)
+
+
+def _pack_nibbles(q: torch.Tensor, *scales: torch.Tensor) -> torch.Tensor:
+    """Per group of 8 rows and 32 columns: 128 bytes of nibbles, then 16 bytes per fp16 scale of `scales`."""
     rows, cols = q.shape
     groups, blocks = rows // INT4_GROUP_ROWS, cols // INT4_GROUP_COLS
     # [group, row, block, register j, low/high, t] -> bytes [group, block, j, row, t]
     q = q.to(torch.uint8).reshape(groups, INT4_GROUP_ROWS, blocks, 4, 2, 4)
     nibbles = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 128)
-    scales = [s.to(torch.float16).reshape(groups, INT4_GROUP_ROWS, blocks).transpose(1, 2).contiguous()
-              .view(torch.uint8) for s in (d, m)]  # [group, block, 16 bytes]
-    return torch.cat([nibbles, *scales], dim=-1).reshape(rows, cols * 5 // 8)
+    parts = [s.to(torch.float16).reshape(groups, INT4_GROUP_ROWS, blocks).transpose(1, 2).contiguous()
+             .view(torch.uint8) for s in scales]  # [group, block, 16 bytes]
+    group_bytes = 128 + 16 * len(scales)
+    return torch.cat([nibbles, *parts], dim=-1).reshape(rows, cols * group_bytes // 256)
 
 
-def unpack_int4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of `pack_int4`: (q uint8 [N, K], d fp16 [N, K/32], m fp16 [N, K/32])."""
-    rows, cols = packed.shape[0], packed.shape[1] * 8 // 5
+def _unpack_nibbles(packed: torch.Tensor, num_scales: int) -> tuple[torch.Tensor, ...]:
+    group_bytes = 128 + 16 * num_scales
+    rows, cols = packed.shape[0], packed.shape[1] * 256 // group_bytes
     groups, blocks = rows // INT4_GROUP_ROWS, cols // INT4_GROUP_COLS
-    data = packed.reshape(groups, blocks, 160)
+    data = packed.reshape(groups, blocks, group_bytes)
     nibbles = data[..., :128].reshape(groups, blocks, 4, INT4_GROUP_ROWS, 4)  # [group, block, j, row, t]
     q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3)  # [group, block, j, low/high, row, t]
     q = q.permute(0, 4, 1, 2, 3, 5).reshape(rows, cols)
@@ -58,7 +88,7 @@ def unpack_int4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
         raw = data[..., offset:offset + 16].contiguous().view(torch.float16)  # [group, block, row]
         return raw.transpose(1, 2).reshape(rows, blocks)
 
-    return q, scales(128), scales(144)
+    return (q, *(scales(128 + 16 * i) for i in range(num_scales)))
 
 
 def dequantize_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -72,6 +102,19 @@ def dequantize_int4(packed: torch.Tensor) -> torch.Tensor:
 def int4_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of a `pack_int4` matrix de-quantized to float32 [*ids.shape, K] (a 4-bit embedding's lookup)."""
     return _block_rows(packed, ids, dequantize_int4)
+
+
+def dequantize_q4(packed: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K]: d * (q - 8), the weight a q4 matrix stands for."""
+    q, d = unpack_q4(packed)
+    rows, cols = q.shape
+    return ((q.float() - 8).reshape(rows, -1, INT4_GROUP_COLS) * d.float().unsqueeze(-1)).reshape(rows, cols)
+
+
+def q4_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a `pack_q4` matrix de-quantized to float32 [*ids.shape, K] (a Q4_0 embedding's lookup)."""
+    return _block_rows(packed, ids, dequantize_q4)
+
 
 def pack_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """q int8 [N, K], d fp16 [N, K/32] (w = d * q) -> uint8 [N, K * 17 / 16]."""
@@ -108,7 +151,7 @@ def q8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _block_rows(packed: torch.Tensor, ids: torch.Tensor, dequantize) -> torch.Tensor:
-    """Rows `ids` of a block layout (int4, q8: groups of 8 rows) de-quantized to float32: each id's group of 8 rows
+    """Rows `ids` of a block layout (int4, q4, q8: groups of 8 rows) de-quantized to float32: each id's group of 8 rows
     is contiguous, so those groups are gathered and de-quantized, and the row picked."""
     rows, packed_cols = packed.shape
     flat = ids.reshape(-1)

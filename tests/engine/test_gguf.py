@@ -19,8 +19,8 @@ from conftest import require_op
 
 from engine import Engine, EngineConfig, ModelLoadError, SamplingParams
 from engine.gguf_blocks import GGUF_TYPES
-from engine.kernels import layouts
-from engine.layers import Int4Embedding, Int4Linear, Q8Embedding, Q8Linear
+from engine.kernels import GGUF_REPACK_LAYOUTS, layouts
+from engine.layers import Int4Embedding, Int4Linear, Q4Embedding, Q4Linear, Q8Embedding, Q8Linear
 from engine.loader import default_gguf_path
 
 BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q4_K: (256, 144), T.Q6_K: (256, 210), T.Q8_0: (32, 34)}
@@ -42,8 +42,16 @@ def random_blocks(ggml_type: T, rows: int, cols: int, seed: int = 0) -> np.ndarr
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1])
 def test_q4_0_and_q4_1_repack_into_int4_bit_for_bit(ggml_type):
     raw = torch.from_numpy(random_blocks(ggml_type, 24, 512))
-    packed = GGUF_TYPES[ggml_type].repack(raw)
+    packed = GGUF_TYPES[ggml_type].repack_into("int4")(raw)
     assert torch.equal(layouts.dequantize_int4(packed), torch.from_numpy(quants.dequantize(raw.numpy(), ggml_type)))
+
+
+def test_q4_0_is_served_in_q4_its_own_bytes_bit_for_bit():
+    raw = torch.from_numpy(random_blocks(T.Q4_0, 24, 512))
+    assert GGUF_TYPES[T.Q4_0].layout == "q4"
+    packed = GGUF_TYPES[T.Q4_0].repack(raw)
+    assert packed.numel() == raw.numel()  # 18 bytes per 32 values, as in the file
+    assert torch.equal(layouts.dequantize_q4(packed), torch.from_numpy(quants.dequantize(raw.numpy(), T.Q4_0)))
 
 
 def test_q8_0_repacks_into_q8_bit_for_bit():
@@ -58,7 +66,10 @@ def test_the_fast_repacking_gives_the_bytes_of_its_plain_twin(ggml_type):
     with layouts.pack_int4, the function the kernels' layout is defined by."""
     raw = torch.from_numpy(random_blocks(ggml_type, 40, 1024, seed=3))
     kind = GGUF_TYPES[ggml_type]
-    assert torch.equal(kind.repack(raw), layouts.pack_int4(*kind.plain(raw)))
+    pack = layouts.pack_q4 if kind.layout == "q4" else layouts.pack_int4
+    assert torch.equal(kind.repack(raw), pack(*kind.plain(raw)))
+    if kind.int4 is not None:  # Q4_0 into int4 (beside int4 parts of a fused layer): m = -8 d
+        assert torch.equal(kind.int4(raw), layouts.q4_as_int4(kind.repack(raw)))
 
 
 def test_q4_k_repacks_into_int4_within_the_rounding_of_its_scales_to_fp16():
@@ -182,14 +193,16 @@ def test_the_kernel_librarys_repacking_gives_its_plain_twins_bytes(ggml_type, pa
     repack = require_op(path_kernels.gguf_repack, "GGUF repacking")
     rows, cols = 40, 1024
     raw = torch.from_numpy(blocks_of(ggml_type, rows, cols, seed=5).copy())
-    layout = GGUF_TYPES[ggml_type].layout
-    if layout == "int4":
-        assert torch.equal(repack(raw, int(ggml_type), cols, True), GGUF_TYPES[ggml_type].repack(raw))
-    if layout == "q8":  # Q8_0: its own blocks
-        assert torch.equal(repack(raw, int(ggml_type), cols, False), GGUF_TYPES[ggml_type].repack(raw))
+    kind = GGUF_TYPES[ggml_type]
+    if kind.layout in ("int4", "q4"):
+        assert torch.equal(repack(raw, int(ggml_type), cols, GGUF_REPACK_LAYOUTS[kind.layout]), kind.repack(raw))
+    if kind.layout == "q4":  # Q4_0 also into int4, beside int4 parts of a fused layer
+        assert torch.equal(repack(raw, int(ggml_type), cols, GGUF_REPACK_LAYOUTS["int4"]), kind.repack_into("int4")(raw))
+    if kind.layout == "q8":  # Q8_0: its own blocks
+        assert torch.equal(repack(raw, int(ggml_type), cols, GGUF_REPACK_LAYOUTS["q8"]), kind.repack(raw))
     else:  # into q8 (a fused layer with a part that is not 4-bit takes q8 whole)
         floats = torch.from_numpy(quants.dequantize(raw.numpy(), ggml_type).astype(np.float32)).reshape(rows, cols)
-        assert torch.equal(repack(raw, int(ggml_type), cols, False), quant.pack_q8(floats))
+        assert torch.equal(repack(raw, int(ggml_type), cols, GGUF_REPACK_LAYOUTS["q8"]), quant.pack_q8(floats))
 
 
 def every(ggml_type: T, **others: T) -> dict[str, T]:
@@ -201,6 +214,7 @@ def every(ggml_type: T, **others: T) -> dict[str, T]:
 Q4_K_M = every(T.Q4_K, v=T.Q6_K, down=T.Q6_K, output=T.Q6_K)
 FILES = {
     "Q4_0": (every(T.Q4_0), True),
+    "Q4_0 with Q4_1 v and up": (every(T.Q4_0, v=T.Q4_1, up=T.Q4_1), False),
     "Q8_0": (every(T.Q8_0), True),
     "Q4_1+Q8_0 embedding": (every(T.Q4_1, embd=T.Q8_0), True),
     "Q4_K_M-like, untied": (Q4_K_M, False),
@@ -244,7 +258,9 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
         ):
             kinds = {types[f"blk.{index}.{g}.weight"] for g in gguf_names}
             is_4bit = kinds <= {T.Q4_0, T.Q4_1, T.Q4_K}
-            assert type(fused) is (Int4Linear if is_4bit else Q8Linear), (kinds, type(fused))
+            # Q4_0 alone in its own q4 layout; beside other 4-bit parts, int4 (m = -8 d); else q8.
+            expected_type = Q4Linear if kinds == {T.Q4_0} else Int4Linear if is_4bit else Q8Linear
+            assert type(fused) is expected_type, (kinds, type(fused))
             section = "self_attn." if "q_proj" in parts else "mlp."
             expected = torch.cat([reference[prefix + section + p + ".weight"] for p in parts])
             if not is_4bit:
@@ -256,7 +272,8 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
                     error = (ours - expected).reshape(step.shape[0], -1, 32).abs()
                     assert (error <= 0.5 * step * (1 + 2.0**-10) + 1e-12).all()
             else:
-                ours = layouts.dequantize_int4(fused.weight_packed)
+                dequantize = layouts.dequantize_q4 if expected_type is Q4Linear else layouts.dequantize_int4
+                ours = dequantize(fused.weight_packed)
                 if T.Q4_K in kinds:
                     # w = s * q - m with s and m rounded to fp16 (relative 2^-11 each): s * q and m are at
                     # most the largest |w| or so, whence the bound; near-cancelling w have no relative bound.
@@ -266,7 +283,8 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
                     assert torch.equal(ours, expected)
     embd_type = types["token_embd.weight"]
     is_4bit = embd_type in (T.Q4_0, T.Q4_1, T.Q4_K)
-    assert type(model.model.embed_tokens) is (Int4Embedding if is_4bit else Q8Embedding)
+    assert type(model.model.embed_tokens) is (Q4Embedding if embd_type == T.Q4_0 else Int4Embedding if is_4bit
+                                              else Q8Embedding)
     ids = torch.tensor([0, 7, 1234, 49151])
     rows = model.model.embed_tokens(ids).float()
     if embd_type in (T.Q4_0, T.Q4_1, T.Q8_0):  # the rest is re-quantized to q8 under auto
@@ -289,15 +307,16 @@ def test_a_gguf_answers_as_transformers_does_on_the_same_file(tiny_gguf, tmp_pat
         engine.stop()
 
 
-def test_a_4bit_gguf_takes_about_the_files_size_in_memory(tmp_path):
+def test_a_4bit_gguf_takes_the_files_size_in_memory(tmp_path):
     path = write_tiny_gguf(tmp_path / "q4_0.gguf", every(T.Q4_0))
     engine = Engine(EngineConfig(model=str(path), quantization="auto", cache_dir=str(tmp_path / "cache"))).start()
     try:
         assert engine.loaded.quantization == "int4"
-        # Q4_0 is 18 bytes per 32 values, Tern's int4 20 (fp16 d and m): 1.11x, plus the float norms. Without
-        # Tern's kernels (TERN_CPU_KERNELS=off) aten's int4pack holds its own copy of the tied 4-bit lm_head.
+        # Q4_0 is served in its own 18 bytes per 32 values (q4), and the norms as the file's float32. Without
+        # Tern's kernels (TERN_CPU_KERNELS=off) aten's int4pack holds its own copies of the 4-bit layers.
+        tensor_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
         if engine.loaded.kernels.path != "off":
-            assert engine.loaded.weight_bytes <= 1.15 * path.stat().st_size
+            assert engine.loaded.weight_bytes == tensor_bytes
         [completion] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         assert len(completion.choices[0].token_ids) == 4
     finally:

@@ -8,15 +8,35 @@ import torch
 from conftest import build_tiny, require_op, tiny_config
 from test_compiled import PARAMS, _assert_same_up_to_ties, _outputs, _prompts
 
-from engine import Engine, EngineConfig, kernels, native_decode, quant
+from engine import Engine, EngineConfig, kernels, layers, native_decode, quant
 from engine.config import default_cache_dir
+from engine.kernels import layouts
 from engine.scheduler import ScheduledBatch
 
 
+def _as_q4_0(model) -> None:
+    """Every int4 linear layer as a GGUF's Q4_0 tensor holds it (gguf's own quantizer), in Tern's q4 layout."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants
+
+    from engine.gguf_blocks import GGUF_TYPES
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is layers.Int4Linear:
+                weight = layouts.dequantize_int4(child.weight_packed).numpy()
+                raw = torch.from_numpy(quants.quantize(weight, T.Q4_0).reshape(weight.shape[0], -1))
+                setattr(parent, name, layers.Q4Linear(GGUF_TYPES[T.Q4_0].repack(raw), child.bias))
+
+
 def _engine(tokenizer, path, model_type: str, mode: str, native: bool, dtype=torch.float32, **overrides) -> Engine:
+    """mode "q4": int4, then the 4-bit layers as Q4_0 files hold them (q4)."""
     hf_config = tiny_config(model_type, **overrides)
     _, loaded = build_tiny(hf_config, tokenizer, seed=0, dtype=dtype, path=path)
-    quant.quantize(loaded.model, mode, loaded.device, dtype)
+    quant.quantize(loaded.model, "int4" if mode == "q4" else mode, loaded.device, dtype)
+    if mode == "q4":
+        _as_q4_0(loaded.model)
+        mode = "int4"
     quant.pack_for_cpu(loaded.model, path)
     loaded.quantization = mode
     config = EngineConfig(dtype=str(dtype).removeprefix("torch."), quantization=mode, native_decode=native,
@@ -26,7 +46,7 @@ def _engine(tokenizer, path, model_type: str, mode: str, native: bool, dtype=tor
 
 @pytest.mark.parametrize("model_type,overrides", [("llama", {}), ("qwen2", {}), ("qwen3", {}),
                                                   ("llama", {"tie_word_embeddings": True})])
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "q4"])
 def test_native_decode_gives_the_eager_twins_tokens(default_tokenizer, path_kernels, mode, model_type, overrides):
     require_op(path_kernels.q8_mm, "q8")
     prompts = _prompts(34)
@@ -35,6 +55,8 @@ def test_native_decode_gives_the_eager_twins_tokens(default_tokenizer, path_kern
         engine = _engine(default_tokenizer, path_kernels, model_type, mode, native, **overrides)
         try:
             assert engine.decode_step == ("native" if native else "eager")
+            if mode == "q4":
+                assert any(type(m) is layers.PackedQ4Linear for m in engine.runner.model.modules())
             results[native] = _outputs(engine, prompts)
         finally:
             engine.stop()
@@ -75,7 +97,7 @@ class _Sequence:
 
 def test_where_the_native_step_cannot_serve_the_engine_says_why_and_decodes_in_python(default_tokenizer):
     cpu = kernels.select(default_cache_dir())
-    cases = [("none", torch.float32, "packed q8 or int4"), ("int8", torch.bfloat16, "computes in float32")]
+    cases = [("none", torch.float32, "packed q8, int4 or q4"), ("int8", torch.bfloat16, "computes in float32")]
     for mode, dtype, reason in cases:
         _, loaded = build_tiny(tiny_config("llama"), default_tokenizer, dtype=dtype)
         quant.quantize(loaded.model, mode, loaded.device, dtype)

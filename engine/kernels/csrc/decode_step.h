@@ -5,7 +5,7 @@
 // the generated wrapper and the dispatcher took ~4-5 ms of a ~10 ms token on 2 cores, while the matmuls took ~4.5.
 // Here a step is one call: per layer RMSNorm, the qkv matmul (+ bias), Qwen3's q/k norms, RoPE, the new keys
 // and values into the paged cache, decode attention, the o matmul and residual, RMSNorm, gate_up, SiLU * up, down
-// and residual; matmuls and attention use the kernels of kernels.h (q8 or 4-bit weights). Activations are
+// and residual; matmuls and attention use the kernels of kernels.h (q8, int4 or q4 weights). Activations are
 // float32. The math is the eager model's (engine/models/llama.py), step for step and without fused multiply-adds,
 // so the two differ only in summation order; the tests hold it to the eager model's tokens.
 #pragma once
@@ -14,6 +14,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/custom_class.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -25,7 +26,7 @@ namespace tern {
 namespace {
 
 // What a linear layer's packed weight holds; the numbers are engine/native_decode.py's WEIGHT_KINDS.
-enum class WeightKind : int64_t { kQ8 = 0, kInt4 = 1 };
+enum class WeightKind : int64_t { kQ8 = 0, kInt4 = 1, kQ4 = 2 };
 
 struct Linear {
   WeightKind kind = WeightKind::kQ8;
@@ -40,6 +41,7 @@ struct Layer {
 };
 
 constexpr int64_t kTensorsPerLayer = 14;
+constexpr int64_t kElementwiseGrain = 4096;  // values per thread's share of an elementwise step, at least
 
 at::Tensor defined_or_empty(const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); }
 
@@ -58,11 +60,13 @@ class DecodeStep : public torch::CustomClassHolder {
     TORCH_CHECK(head_dim % 16 == 0, "DecodeStep: head_dim must be a multiple of 16");
     if (isa == "avx2") {
       int4_groups_ = int4_groups_avx2;
+      q4_groups_ = q4_groups_avx2;
       q8_groups_ = q8_groups_avx2;
       attention_ = decode_attention_avx2;
 #ifdef TERN_WITH_AVX512
     } else if (isa == "avx512") {
       int4_groups_ = int4_groups_avx512;
+      q4_groups_ = q4_groups_avx512;
       q8_groups_ = q8_groups_avx512;
       attention_ = decode_attention_avx512;
 #endif
@@ -80,13 +84,14 @@ class DecodeStep : public torch::CustomClassHolder {
       Linear* linears[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
       for (int j = 0; j < 4; ++j) {
         Linear& linear = *linears[j];
-        TORCH_CHECK(layer_kinds[j] == 0 || layer_kinds[j] == 1, "DecodeStep: weight kinds are 0 (q8) or 1 (int4)");
+        TORCH_CHECK(layer_kinds[j] >= 0 && layer_kinds[j] <= 2, "DecodeStep: weight kinds are 0 (q8), 1 (int4), 2 (q4)");
         linear.kind = static_cast<WeightKind>(layer_kinds[j]);
         linear.packed = t[4 + 2 * j];
         linear.bias = defined_or_empty(t[5 + 2 * j]);
         linear.N = linear.packed.size(0);
-        const int64_t bytes = linear.packed.size(1);  // per row: K * 5 / 8 int4, K * 17 / 16 q8
-        linear.K = linear.kind == WeightKind::kInt4 ? bytes * 8 / 5 : bytes * 16 / 17;
+        const int64_t bytes = linear.packed.size(1);  // per row: K * 5 / 8 int4, K * 9 / 16 q4, K * 17 / 16 q8
+        linear.K = linear.kind == WeightKind::kInt4 ? bytes * 8 / 5 :
+                   linear.kind == WeightKind::kQ4 ? bytes * 16 / 9 : bytes * 16 / 17;
         TORCH_CHECK(linear.packed.scalar_type() == at::kByte && linear.packed.is_contiguous(),
                     "DecodeStep: packed weights must be contiguous uint8");
         TORCH_CHECK(!linear.bias.defined() || linear.bias.scalar_type() == at::kFloat, "DecodeStep: float32 biases");
@@ -156,12 +161,16 @@ class DecodeStep : public torch::CustomClassHolder {
 
       rms_norm(xs, layer.post_norm.data_ptr<float>(), h_.data(), B, H);
       linear(layer.gate_up, h_.data(), B, gate_up_.data());
-      for (int64_t b = 0; b < B; ++b) {
-        const float* gate = &gate_up_[b * 2 * inter];
-        const float* up = gate + inter;
-        float* act = &act_[b * inter];
-        for (int64_t i = 0; i < inter; ++i) act[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];  // SiLU, as torch
-      }
+      // SiLU(gate) * up, as torch computes SiLU, on every thread: one exp per value is ~8 ms of a 16-row step of a
+      // 1B model on one core.
+      at::parallel_for(0, B * inter, kElementwiseGrain, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1;) {
+          const int64_t b = i / inter, end = std::min(i1, (b + 1) * inter);
+          const float* gate = &gate_up_[b * 2 * inter] - b * inter;  // indexed by i: row b's gate at i - b * inter
+          const float* up = gate + inter;
+          for (; i < end; ++i) act_[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+        }
+      });
       linear(layer.down, act_.data(), B, out_.data());
       for (int64_t i = 0; i < B * H; ++i) xs[i] += out_[i];
     }
@@ -188,8 +197,9 @@ class DecodeStep : public torch::CustomClassHolder {
   }
 
   void linear(const Linear& l, const float* x, int64_t M, float* out) {
-    if (l.kind == WeightKind::kInt4) {
-      int4_matmul(int4_groups_, scratch_, x, false, M, l.K, l.packed.data_ptr<uint8_t>(), l.N, out);
+    if (l.kind == WeightKind::kInt4 || l.kind == WeightKind::kQ4) {
+      int4_matmul(l.kind == WeightKind::kQ4 ? q4_groups_ : int4_groups_, scratch_, x, false, M, l.K,
+                  l.packed.data_ptr<uint8_t>(), l.N, out);
     } else {
       q8_matmul(q8_groups_, scratch_, x, false, M, l.K, l.packed.data_ptr<uint8_t>(), l.N, out);
     }
@@ -202,7 +212,7 @@ class DecodeStep : public torch::CustomClassHolder {
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   float eps_;
-  Int4Groups int4_groups_ = nullptr;
+  Int4Groups int4_groups_ = nullptr, q4_groups_ = nullptr;
   Q8Groups q8_groups_ = nullptr;
   AttentionTasks attention_ = nullptr;
   std::vector<Layer> layers_;

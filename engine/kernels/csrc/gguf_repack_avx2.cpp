@@ -1,5 +1,5 @@
-// GGUF blocks into Tern's layouts at load time (kernels.h: gguf_int4_groups, gguf_q8_groups): the C++ twins of
-// engine/gguf_blocks.py's torch repacking (int4: Q4_0, Q4_1, Q4_K) and of gguf's numpy de-quantizer followed by
+// GGUF blocks into Tern's layouts at load time (kernels.h: gguf_int4_groups, gguf_q4_groups, gguf_q8_groups): the C++
+// twins of engine/gguf_blocks.py's torch repacking (int4: Q4_0, Q4_1, Q4_K; q4: Q4_0) and of gguf's numpy de-quantizer followed by
 // quant.quantize_q8 (q8: Q8_0 as it is; Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, F16, BF16, F32 re-quantized per 32 values).
 // Bit for bit the same bytes: the float steps are numpy's and torch's, in their order, with no fused multiply-add
 // (-ffp-contract=off) and round-to-nearest-even everywhere. Why in C++: torch's many passes and gguf's numpy spent
@@ -231,22 +231,26 @@ int64_t gguf_row_bytes(int type, int64_t cols) { return row_bytes(type, cols); }
 
 bool gguf_has_int4(int type) { return type == kQ4_0 || type == kQ4_1 || type == kQ4_K; }
 
+bool gguf_has_q4(int type) { return type == kQ4_0; }
+
 namespace {
 
-// Row r's 4 words of a block into registers j = 0..3 of its group (layouts.pack_int4).
-template <int type>
+// Row r's 4 words of a block into registers j = 0..3 of its group (layouts.pack_int4; kQ4: layouts.pack_q4, the
+// same without the minimums).
+template <int type, bool kQ4 = false>
 void int4_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
+  constexpr int64_t kBytes = kQ4 ? kQ4GroupBytes : kInt4GroupBytes;
   const int64_t stride = row_bytes(type, p.cols), blocks = p.cols / kInt4GroupCols;
   for (int64_t g = g0; g < g1; ++g) {
     for (int64_t b = 0; b < blocks; ++b) {
-      uint8_t* out = p.out + (g * blocks + b) * kInt4GroupBytes;
+      uint8_t* out = p.out + (g * blocks + b) * kBytes;
       for (int r = 0; r < kInt4GroupRows; ++r) {
         uint32_t words[4];
         uint16_t d, m;
         int4_block<type>(p.raw + (g * kInt4GroupRows + r) * stride, b, words, d, m);
         for (int j = 0; j < 4; ++j) std::memcpy(out + 32 * j + 4 * r, &words[j], 4);
         std::memcpy(out + 128 + 2 * r, &d, 2);
-        std::memcpy(out + 144 + 2 * r, &m, 2);
+        if constexpr (!kQ4) std::memcpy(out + 144 + 2 * r, &m, 2);
       }
     }
   }
@@ -291,6 +295,10 @@ void gguf_int4_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
     case kQ4_1: return int4_groups<kQ4_1>(p, g0, g1);
     case kQ4_K: return int4_groups<kQ4_K>(p, g0, g1);
   }
+}
+
+void gguf_q4_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
+  if (p.type == kQ4_0) int4_groups<kQ4_0, true>(p, g0, g1);
 }
 
 void gguf_q8_groups(const GgufRepack& p, int64_t g0, int64_t g1) {

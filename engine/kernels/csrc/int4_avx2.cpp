@@ -9,6 +9,9 @@
 // multiplies; 8 of its pair sums (at most 8 * 2 * 15 * 127 = 30,480) still fit int16, so a group needs one
 // vpmaddwd to widen. Each group's float steps (acc += dot * (d * x_scale), then acc += m * (x_scale * sum)) are
 // those the tests' PyTorch reference takes, bit for bit.
+//
+// The q4 layout (kernels.h: q4_groups_avx2, GGUF's Q4_0) is the same loop without minimums: 144 bytes a group, and
+// per group dot = sum(q * xq) - 8 * sum(xq), exact, then one float step, q8's (acc += dot * (d * x_scale)).
 #include "avx2.h"
 #include "kernels.h"
 
@@ -20,17 +23,32 @@ namespace {
 constexpr int kTileRows = 4;  // activation rows sharing each weight load
 constexpr int kPairTileRows = 4;  // the same, when two groups share each activation broadcast
 
-template <int MB>
+// acc += one group's float steps: dot * (d * x_scale), then (int4) m * (x_scale * sum) or (q4: the dot less
+// 8 * sum(xq) first, no minimum). `block` indexes the activations' (row, block).
+template <bool kQ4>
+inline __m256 add_group(__m256 acc, __m256i dot, const uint8_t* wc, const QuantizedRows& q, int64_t block) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wc + 128)));
+  if constexpr (kQ4) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * q.sums[block]));
+  acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(q.scales[block]))));
+  if constexpr (!kQ4) {
+    const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wc + 144)));
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(minimum, _mm256_set1_ps(q.sum_scales[block])));
+  }
+  return acc;
+}
+
+template <bool kQ4, int MB>
 inline void group_rows(const Int4Problem& p, int64_t m0, const uint8_t* w, int64_t n0, const uint8_t* prefetch) {
+  constexpr int64_t kBytes = kQ4 ? kQ4GroupBytes : kInt4GroupBytes;
   const QuantizedRows& q = *p.x;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t c = 0; c < q.blocks; ++c) {
-    const uint8_t* wc = w + c * kInt4GroupBytes;
+    const uint8_t* wc = w + c * kBytes;
     if (prefetch)
-      for (int64_t line = 0; line < kInt4GroupBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(prefetch + c * kInt4GroupBytes + line), _MM_HINT_T0);
+      for (int64_t line = 0; line < kBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + c * kBytes + line), _MM_HINT_T0);
     __m256i sums[MB];
     const int32_t* x[MB];
     for (int m = 0; m < MB; ++m) {
@@ -48,29 +66,23 @@ inline void group_rows(const Int4Problem& p, int64_t m0, const uint8_t* w, int64
         sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[m][2 * j + 1])));
       }
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wc + 128)));
-    const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wc + 144)));
-    for (int m = 0; m < MB; ++m) {
-      const int64_t block = (m0 + m) * q.blocks + c;
-      const float x_scale = q.scales[block];
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[m], ones));
-      acc[m] = _mm256_add_ps(acc[m], _mm256_mul_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x_scale))));
-      acc[m] = _mm256_add_ps(acc[m], _mm256_mul_ps(minimum, _mm256_set1_ps(q.sum_scales[block])));
-    }
+    for (int m = 0; m < MB; ++m)
+      acc[m] = add_group<kQ4>(acc[m], _mm256_madd_epi16(sums[m], ones), wc, q, (m0 + m) * q.blocks + c);
   }
   for (int m = 0; m < MB; ++m) avx2::store8(p.out, (m0 + m) * p.N + n0, acc[m], p.out_bf16);
 }
 
 // Two neighbouring groups (16 rows) at once, for batches: each broadcast activation feeds two weight registers
 // (prefill-sized batches 1.13x faster; one row, memory-bound, gains nothing and keeps the single-group loop).
-template <int MB>
+template <bool kQ4, int MB>
 inline void group_pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, int64_t n0) {
+  constexpr int64_t kBytes = kQ4 ? kQ4GroupBytes : kInt4GroupBytes;
   const QuantizedRows& q = *p.x;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[2][MB];
   for (int m = 0; m < MB; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
   for (int64_t c = 0; c < q.blocks; ++c) {
-    const uint8_t* wc[2] = {wa + c * kInt4GroupBytes, wb + c * kInt4GroupBytes};
+    const uint8_t* wc[2] = {wa + c * kBytes, wb + c * kBytes};
     __m256i sums[2][MB];
     const int32_t* x[MB];
     for (int m = 0; m < MB; ++m) {
@@ -89,35 +101,26 @@ inline void group_pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa,
         sums[1][m] = _mm256_add_epi16(sums[1][m], _mm256_add_epi16(_mm256_maddubs_epi16(lob, xl), _mm256_maddubs_epi16(hib, xh)));
       }
     }
-    for (int g = 0; g < 2; ++g) {
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wc[g] + 128)));
-      const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wc[g] + 144)));
-      for (int m = 0; m < MB; ++m) {
-        const int64_t block = (m0 + m) * q.blocks + c;
-        const float x_scale = q.scales[block];
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[g][m], ones));
-        acc[g][m] = _mm256_add_ps(acc[g][m], _mm256_mul_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x_scale))));
-        acc[g][m] = _mm256_add_ps(acc[g][m], _mm256_mul_ps(minimum, _mm256_set1_ps(q.sum_scales[block])));
-      }
-    }
+    for (int g = 0; g < 2; ++g)
+      for (int m = 0; m < MB; ++m)
+        acc[g][m] = add_group<kQ4>(acc[g][m], _mm256_madd_epi16(sums[g][m], ones), wc[g], q, (m0 + m) * q.blocks + c);
   }
   for (int g = 0; g < 2; ++g)
     for (int m = 0; m < MB; ++m) avx2::store8(p.out, (m0 + m) * p.N + n0 + 8 * g, acc[g][m], p.out_bf16);
 }
 
-}  // namespace
-
-void int4_groups_avx2(const Int4Problem& p, int64_t g0, int64_t g1) {
-  const int64_t group_stride = p.x->blocks * kInt4GroupBytes;  // one group of 8 rows, all of K
+template <bool kQ4>
+void groups(const Int4Problem& p, int64_t g0, int64_t g1) {
+  const int64_t group_stride = p.x->blocks * (kQ4 ? kQ4GroupBytes : kInt4GroupBytes);  // 8 rows, all of K
   if (p.M > 1) {
     for (; g0 + 1 < g1; g0 += 2) {
       const uint8_t* wa = p.w + g0 * group_stride;
       for (int64_t m = 0; m < p.M; m += kPairTileRows) {
         switch (std::min<int64_t>(kPairTileRows, p.M - m)) {
-          case 1: group_pair_rows<1>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
-          case 2: group_pair_rows<2>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
-          case 3: group_pair_rows<3>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
-          default: group_pair_rows<kPairTileRows>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+          case 1: group_pair_rows<kQ4, 1>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+          case 2: group_pair_rows<kQ4, 2>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+          case 3: group_pair_rows<kQ4, 3>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+          default: group_pair_rows<kQ4, kPairTileRows>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
         }
       }
     }
@@ -127,13 +130,19 @@ void int4_groups_avx2(const Int4Problem& p, int64_t g0, int64_t g1) {
     const uint8_t* next = g + 1 < g1 ? wg + group_stride : nullptr;
     for (int64_t m = 0; m < p.M; m += kTileRows, next = nullptr) {
       switch (std::min<int64_t>(kTileRows, p.M - m)) {
-        case 1: group_rows<1>(p, m, wg, g * kInt4GroupRows, next); break;
-        case 2: group_rows<2>(p, m, wg, g * kInt4GroupRows, next); break;
-        case 3: group_rows<3>(p, m, wg, g * kInt4GroupRows, next); break;
-        default: group_rows<kTileRows>(p, m, wg, g * kInt4GroupRows, next); break;
+        case 1: group_rows<kQ4, 1>(p, m, wg, g * kInt4GroupRows, next); break;
+        case 2: group_rows<kQ4, 2>(p, m, wg, g * kInt4GroupRows, next); break;
+        case 3: group_rows<kQ4, 3>(p, m, wg, g * kInt4GroupRows, next); break;
+        default: group_rows<kQ4, kTileRows>(p, m, wg, g * kInt4GroupRows, next); break;
       }
     }
   }
 }
+
+}  // namespace
+
+void int4_groups_avx2(const Int4Problem& p, int64_t g0, int64_t g1) { groups<false>(p, g0, g1); }
+
+void q4_groups_avx2(const Q4Problem& p, int64_t g0, int64_t g1) { groups<true>(p, g0, g1); }
 
 }  // namespace tern

@@ -40,6 +40,15 @@ constexpr int64_t kInt4GroupRows = 8, kInt4GroupCols = 32, kInt4GroupBytes = 160
 void int4_groups_avx2(const Int4Problem& p, int64_t g0, int64_t g1);
 void int4_groups_avx512(const Int4Problem& p, int64_t g0, int64_t g1);
 
+// 4-bit weights with a scale d per 32 values of a row and no minimum (w = d * (q - 8), q in 0..15: GGUF's Q4_0),
+// packed as int4 is without its minimums: 128 bytes of nibbles, then 8 fp16 d, 144 bytes a group (a Q4_0 file's
+// own 18 bytes per 32 values). The arithmetic is q8's on q - 8: dot = sum(q * xq) - 8 * sum(xq), an exact
+// integer, then acc += dot * (d * x_scale) (llama.cpp's Q4_0 x Q8_0): one float step per group where int4 takes two.
+using Q4Problem = Int4Problem;
+constexpr int64_t kQ4GroupBytes = 144;
+void q4_groups_avx2(const Q4Problem& p, int64_t g0, int64_t g1);
+void q4_groups_avx512(const Q4Problem& p, int64_t g0, int64_t g1);
+
 // int8 weights with one fp16 scale d per 32 values of a row (w = d * q: GGUF's Q8_0), packed per group of 8 rows
 // and 32 columns as 256 bytes of q + 128, then 8 fp16 d (engine/kernels/layouts.py). Activations come in blocks
 // of 32 with their sums: per group dot = sum((q + 128) * xq) - 128 * sum(xq), an exact integer, then
@@ -73,17 +82,21 @@ struct AttentionProblem {
 void decode_attention_avx2(const AttentionProblem& p, int64_t task0, int64_t task1);
 
 // A GGUF matrix's raw blocks ([rows, gguf_row_bytes(type, cols)], ggml type ids) into Tern's int4 layout (Q4_0,
-// Q4_1, Q4_K: gguf_has_int4) or q8 layout (Q8_0 as it is; Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, F16, BF16,
-// F32 re-quantized per 32 values as quant.quantize_q8 does), groups of 8 rows [g0, g1) (gguf_repack_avx2.cpp).
+// Q4_1, Q4_K: gguf_has_int4), q4 layout (Q4_0 as it is) or q8 layout (Q8_0 as it is; Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
+// Q5_K, Q6_K, F16, BF16, F32 re-quantized per 32 values as quant.quantize_q8 does), groups of 8 rows [g0, g1)
+// (gguf_repack_avx2.cpp).
 struct GgufRepack {
   const uint8_t* raw;
   int type;
   int64_t cols;
   uint8_t* out;
 };
+enum class GgufLayout : int64_t { kQ8 = 0, kInt4 = 1, kQ4 = 2 };  // the `layout` argument of torch.ops.tern.gguf_repack
 int64_t gguf_row_bytes(int type, int64_t cols);  // -1: a type this file does not read
 bool gguf_has_int4(int type);
+bool gguf_has_q4(int type);  // Q4_0
 void gguf_int4_groups(const GgufRepack& p, int64_t g0, int64_t g1);
+void gguf_q4_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void gguf_q8_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void decode_attention_avx512(const AttentionProblem& p, int64_t task0, int64_t task1);
 

@@ -33,7 +33,8 @@ struct QuantizedScratch {
   }
 };
 
-// out [M, N] = x [M, K] @ w.T for a 4-bit weight packed per 8 rows and 32 columns (kernels.h).
+// out [M, N] = x [M, K] @ w.T for a 4-bit weight packed per 8 rows and 32 columns: int4 or q4, as `groups` reads
+// (kernels.h).
 inline void int4_matmul(Int4Groups groups, QuantizedScratch& scratch, const void* x, bool x_bf16, int64_t M,
                         int64_t K, const uint8_t* w, int64_t N, void* out) {
   if (M == 0) return;

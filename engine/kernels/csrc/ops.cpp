@@ -25,16 +25,18 @@ void check_activations(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, op, ": x must be bfloat16 or float32");
 }
 
-// w_packed: uint8 [N, K * 5 / 8], 160 bytes per group of 8 rows and 32 columns (kernels.h).
-template <Int4Groups Groups>
+// w_packed: uint8 [N, K * GroupBytes / 256]: int4, 160 bytes per group of 8 rows and 32 columns ([N, K * 5 / 8]),
+// or q4, 144 bytes ([N, K * 9 / 16]) (kernels.h).
+template <Int4Groups Groups, int64_t GroupBytes>
 at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
   const at::Tensor x = x_in.contiguous();
   check_activations(x, "int4_mm");
   TORCH_CHECK(w_packed.dim() == 2 && w_packed.scalar_type() == at::kByte && w_packed.is_contiguous(),
-              "int4_mm: w_packed must be packed uint8 [N, K * 5 / 8]");
+              "int4_mm: w_packed must be packed uint8 [N, K * ", GroupBytes, " / 256]");
   const int64_t M = x.size(0), K = x.size(1), N = w_packed.size(0);
-  TORCH_CHECK(K % kInt4GroupCols == 0 && N % kInt4GroupRows == 0 && w_packed.size(1) * 8 == K * 5,
-              "int4_mm: K must be a multiple of 32, N of 8, and w_packed [N, K * 5 / 8]");
+  TORCH_CHECK(K % kInt4GroupCols == 0 && N % kInt4GroupRows == 0 &&
+                  w_packed.size(1) * kInt4GroupRows * kInt4GroupCols == K * GroupBytes,
+              "int4_mm: K must be a multiple of 32, N of 8, and w_packed [N, K * ", GroupBytes, " / 256]");
   at::Tensor out = at::empty({M, N}, x.options());
   QuantizedScratch scratch;
   int4_matmul(Groups, scratch, x.data_ptr(), x.scalar_type() == at::kBFloat16, M, K,
@@ -101,25 +103,36 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, c
   return out;
 }
 
-// raw: uint8 [rows, bytes per row], a GGUF matrix's blocks of ggml type `type` -> the int4 or q8 layout's bytes.
-// out: where to write (e.g. a fused projection's rows of this part), else a new tensor.
-at::Tensor gguf_repack(const at::Tensor& raw, int64_t type, int64_t cols, bool int4, const std::optional<at::Tensor>& out_in) {
+// raw: uint8 [rows, bytes per row], a GGUF matrix's blocks of ggml type `type` -> the bytes of `layout`
+// (GgufLayout: 0 q8, 1 int4, 2 q4). out: where to write (e.g. a fused projection's rows of this part), else a new
+// tensor.
+at::Tensor gguf_repack(const at::Tensor& raw, int64_t type, int64_t cols, int64_t layout_in,
+                       const std::optional<at::Tensor>& out_in) {
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.device().is_cpu(),
               "gguf_repack: raw must be contiguous uint8 [rows, bytes per row] on the CPU");
-  const int64_t rows = raw.size(0), group_cols = int4 ? kInt4GroupCols : kQ8GroupCols;
+  TORCH_CHECK(layout_in >= 0 && layout_in <= 2, "gguf_repack: layout is 0 (q8), 1 (int4) or 2 (q4)");
+  const GgufLayout layout = static_cast<GgufLayout>(layout_in);
+  const char* name = layout == GgufLayout::kQ8 ? "q8" : layout == GgufLayout::kInt4 ? "int4" : "q4";
+  const int64_t rows = raw.size(0);
   const int64_t bytes = gguf_row_bytes(static_cast<int>(type), cols);
-  TORCH_CHECK(bytes > 0 && (!int4 || gguf_has_int4(static_cast<int>(type))), "gguf_repack: ggml type ", type,
-              " cannot be repacked into ", int4 ? "int4" : "q8");
-  TORCH_CHECK(rows % kInt4GroupRows == 0 && cols % group_cols == 0 && raw.size(1) == bytes,
+  const bool fits = layout == GgufLayout::kQ8 || (layout == GgufLayout::kInt4 && gguf_has_int4(static_cast<int>(type))) ||
+                    (layout == GgufLayout::kQ4 && gguf_has_q4(static_cast<int>(type)));
+  TORCH_CHECK(bytes > 0 && fits, "gguf_repack: ggml type ", type, " cannot be repacked into ", name);
+  TORCH_CHECK(rows % kInt4GroupRows == 0 && cols % kInt4GroupCols == 0 && raw.size(1) == bytes,
               "gguf_repack: rows must be a multiple of 8, cols of 32 (256 for K-quants), raw [rows, ", bytes, "]");
-  const int64_t out_cols = int4 ? cols * 5 / 8 : cols * 17 / 16;
+  const int64_t group_bytes = layout == GgufLayout::kQ8 ? kQ8GroupBytes :
+                              layout == GgufLayout::kInt4 ? kInt4GroupBytes : kQ4GroupBytes;
+  const int64_t out_cols = cols * group_bytes / (kInt4GroupRows * kInt4GroupCols);
   at::Tensor out = out_in.has_value() ? *out_in : at::empty({rows, out_cols}, raw.options());
   TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == out_cols && out.scalar_type() == at::kByte &&
                   out.is_contiguous(), "gguf_repack: out must be contiguous uint8 [", rows, ", ", out_cols, "]");
   const GgufRepack p{raw.data_ptr<uint8_t>(), static_cast<int>(type), cols, out.data_ptr<uint8_t>()};
   at::parallel_for(0, rows / kInt4GroupRows, 16, [&](int64_t g0, int64_t g1) {
-    if (int4) gguf_int4_groups(p, g0, g1);
-    else gguf_q8_groups(p, g0, g1);
+    switch (layout) {
+      case GgufLayout::kInt4: gguf_int4_groups(p, g0, g1); break;
+      case GgufLayout::kQ4: gguf_q4_groups(p, g0, g1); break;
+      case GgufLayout::kQ8: gguf_q8_groups(p, g0, g1); break;
+    }
   });
   return out;
 }
@@ -128,13 +141,15 @@ at::Tensor gguf_repack(const at::Tensor& raw, int64_t type, int64_t cols, bool i
 }  // namespace tern
 
 TORCH_LIBRARY(tern, m) {
-  m.def("gguf_repack(Tensor raw, int type, int cols, bool int4, Tensor(a!)? out=None) -> Tensor");
+  m.def("gguf_repack(Tensor raw, int type, int cols, int layout, Tensor(a!)? out=None) -> Tensor");
   m.def("int4_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
+  m.def("q4_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q8_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("decode_attention_avx2(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, Tensor context_lens, "
         "float scale) -> Tensor");
 #ifdef TERN_WITH_AVX512
   m.def("int4_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
+  m.def("q4_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q8_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("decode_attention_avx512(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, "
         "Tensor context_lens, float scale) -> Tensor");
@@ -152,11 +167,13 @@ TORCH_LIBRARY_FRAGMENT(tern, m) {
 
 TORCH_LIBRARY_IMPL(tern, CPU, m) {
   m.impl("gguf_repack", &tern::gguf_repack);
-  m.impl("int4_mm_avx2", &tern::int4_mm<tern::int4_groups_avx2>);
+  m.impl("int4_mm_avx2", &tern::int4_mm<tern::int4_groups_avx2, tern::kInt4GroupBytes>);
+  m.impl("q4_mm_avx2", &tern::int4_mm<tern::q4_groups_avx2, tern::kQ4GroupBytes>);
   m.impl("q8_mm_avx2", &tern::q8_mm<tern::q8_groups_avx2>);
   m.impl("decode_attention_avx2", &tern::decode_attention_op<tern::decode_attention_avx2>);
 #ifdef TERN_WITH_AVX512
-  m.impl("int4_mm_avx512", &tern::int4_mm<tern::int4_groups_avx512>);
+  m.impl("int4_mm_avx512", &tern::int4_mm<tern::int4_groups_avx512, tern::kInt4GroupBytes>);
+  m.impl("q4_mm_avx512", &tern::int4_mm<tern::q4_groups_avx512, tern::kQ4GroupBytes>);
   m.impl("q8_mm_avx512", &tern::q8_mm<tern::q8_groups_avx512>);
   m.impl("decode_attention_avx512", &tern::decode_attention_op<tern::decode_attention_avx512>);
 #endif

@@ -42,3 +42,9 @@ def q8_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor
         dot = quantized[:, c].long() @ q[:, c * 32:(c + 1) * 32].long().t()  # [M, N], exact
         acc = acc + dot.float() * (d[:, c][None] * x_scales[:, c:c + 1])
     return acc.to(x.dtype)
+
+
+def q4_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times the weight d * (q - 8) (q [N, K] in 0..15, d fp16 [N, K/32]): q8's arithmetic on q - 8, the
+    exact integer sum((q - 8) * xq) per block, then one float step."""
+    return q8_matmul(x, q.to(torch.int8) - 8, d)

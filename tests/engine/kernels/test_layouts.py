@@ -35,6 +35,21 @@ def test_int4_layout_round_trips_and_is_five_bits_a_weight():
     assert torch.equal(layouts.dequantize_int4(packed), expected.reshape(24, 96))
 
 
+def test_q4_layout_round_trips_is_four_and_a_half_bits_a_weight_and_is_int4_with_m_minus_eight_d():
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (24, 96), dtype=torch.uint8, generator=generator)
+    d = torch.rand(24, 3, generator=generator).half()
+    packed = layouts.pack_q4(q, d)
+    assert packed.dtype == torch.uint8 and packed.shape == (24, 96 * 9 // 16)  # 4 bits + one fp16 per 32 values
+    q2, d2 = layouts.unpack_q4(packed)
+    assert torch.equal(q2, q) and torch.equal(d2, d)
+    expected = ((q.float() - 8).reshape(24, 3, 32) * d.float()[..., None]).reshape(24, 96)
+    assert torch.equal(layouts.dequantize_q4(packed), expected)
+    assert torch.equal(layouts.dequantize_int4(layouts.q4_as_int4(packed)), expected)
+    ids = torch.tensor([[0, 5, 23], [17, 17, 7]])
+    assert torch.equal(layouts.q4_rows(packed, ids), expected[ids])
+
+
 def test_bf16_layout_round_trips_and_rows_read_from_it():
     weight = torch.randn(12, 96).to(torch.bfloat16)
     packed = layouts.pack_bf16(weight)

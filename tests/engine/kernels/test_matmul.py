@@ -60,16 +60,54 @@ def test_int4_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows)
         assert torch.equal(out, reference.int4_matmul(x, q, d, m)), (n, k)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", ROWS)
+def test_q4_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows):
+    """GGUF's Q4_0 (w = d * (q - 8)) in its own 18 bytes per 32 values: q8's arithmetic on q - 8."""
+    q4_mm = require(path_kernels.q4_mm, "q4")
+    for n, k in [(8, 32), (24, 96), (112, 576), (576, 1536)]:
+        x, q, d, _ = _int4_case(rows, n, k, dtype, seed=rows)
+        out = q4_mm(x, layouts.pack_q4(q, d))
+        assert out.dtype == dtype and out.shape == (rows, n)
+        assert torch.equal(out, reference.q4_matmul(x, q, d)), (n, k)
+
+
 def test_a_row_gets_the_same_bits_alone_as_in_any_batch(path_kernels):
     """What makes a sequence's tokens independent of the other sequences sharing its steps."""
     q8_mm, int4_mm = require(path_kernels.q8_mm, "q8"), require(path_kernels.int4_mm, "int4")
+    q4_mm = require(path_kernels.q4_mm, "q4")
     x, q, d, m = _int4_case(37, 112, 576, torch.float32)
     _, q8, d8 = _q8_case(37, 112, 576, torch.float32)
-    packed4, packed_q8 = layouts.pack_int4(q, d, m), layouts.pack_q8(q8, d8)
-    batch4, batch_q8 = int4_mm(x, packed4), q8_mm(x, packed_q8)
+    packed4, packed_q8, packed_q4 = layouts.pack_int4(q, d, m), layouts.pack_q8(q8, d8), layouts.pack_q4(q, d)
+    batch4, batch_q8, batch_q4 = int4_mm(x, packed4), q8_mm(x, packed_q8), q4_mm(x, packed_q4)
     for row in (0, 5, 36):
         assert torch.equal(int4_mm(x[row:row + 1], packed4)[0], batch4[row])
         assert torch.equal(q8_mm(x[row:row + 1], packed_q8)[0], batch_q8[row])
+        assert torch.equal(q4_mm(x[row:row + 1], packed_q4)[0], batch_q4[row])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_q4_layer_computes_the_q4_0_product_on_every_path(path_kernels, dtype):
+    """What a GGUF's Q4_0 tensor becomes: the q4 kernel where the path has one, else aten's int4pack on the same
+    weight put in int4's layout (m = -8 d); both close to the exact product with d * (q - 8)."""
+    from engine.layers import Q4Linear
+
+    generator = torch.Generator().manual_seed(11)
+    q = torch.randint(0, 16, (112, 576), dtype=torch.uint8, generator=generator)
+    d = (torch.rand(112, 576 // 32, generator=generator) / 50).half()
+    bias = torch.randn(112, generator=generator)
+    model = nn.Sequential(Q4Linear(layouts.pack_q4(q, d), bias.to(dtype)))
+    quant.pack_for_cpu(model, path_kernels)
+    layer = model[0]
+    assert type(layer) is (layers.PackedQ4Linear if path_kernels.q4_mm else layers.AtenInt4Linear)
+    stored = ((q.float() - 8).reshape(112, -1, 32) * d.float()[..., None]).reshape(112, 576)
+    assert torch.equal(layouts.dequantize_q4(layouts.pack_q4(q, d)), stored)
+    for rows in (1, 9, 64):
+        x = _activations(rows, 576, dtype, generator)
+        exact = x.double() @ stored.double().T + bias.to(dtype).double()
+        out = layer(x)
+        assert out.dtype == dtype and out.shape == (rows, 112)
+        assert ((out.double() - exact).norm() / exact.norm()).item() < 0.02, rows
 
 
 def _layer_for(path_kernels, mode: str, weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype) -> nn.Module:
@@ -120,8 +158,11 @@ def test_kernels_run_inside_a_compiled_graph(path_kernels):
     _, q8, d8 = _q8_case(3, 112, 576, torch.float32)
     packed_q8, packed4 = layouts.pack_q8(q8, d8), layouts.pack_int4(q, d, m)
 
+    packed_q4 = layouts.pack_q4(q, d)
+
     def block(x):
-        return torch.relu(q8_mm(x, packed_q8)) * 2 + int4_mm(x, packed4)
+        q4 = path_kernels.q4_mm(x, packed_q4) if path_kernels.q4_mm else 0
+        return torch.relu(q8_mm(x, packed_q8)) * 2 + int4_mm(x, packed4) + q4
 
     compiled = torch.compile(block, fullgraph=True)
     assert torch.equal(compiled(x), block(x))
@@ -133,8 +174,11 @@ def test_shapes_the_kernels_cannot_take_are_refused_with_a_message(path_kernels)
         q8_mm(torch.randn(2, 48), torch.zeros(8, 51, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="K \\* 17 / 16"):
         q8_mm(torch.randn(2, 64), torch.zeros(8, 64, dtype=torch.uint8))
-    with pytest.raises(RuntimeError, match="K \\* 5 / 8"):
+    with pytest.raises(RuntimeError, match="K \\* 160 / 256"):
         int4_mm(torch.randn(2, 64), torch.zeros(8, 30, dtype=torch.uint8))
+    if path_kernels.q4_mm is not None:
+        with pytest.raises(RuntimeError, match="K \\* 144 / 256"):
+            path_kernels.q4_mm(torch.randn(2, 64), torch.zeros(8, 40, dtype=torch.uint8))  # int4's width
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
         q8_mm(torch.randn(2, 64).half(), torch.zeros(8, 68, dtype=torch.uint8))
 
