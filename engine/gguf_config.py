@@ -1,6 +1,11 @@
-"""What llama.cpp's converter writes into a Gemma 2/3 or Phi-3 GGUF that transformers' GGUF config reader leaves
-out, put back into the config (loader.gguf_metadata writes it once), so that the native model computes what the
-original checkpoint computed rather than transformers' defaults for that family.
+"""What llama.cpp's converter writes into a GGUF that transformers' GGUF reader leaves out, put back into the config
+and the tokenizer (loader.gguf_metadata writes them once), so that the native model computes what the original
+checkpoint computed, on the tokens it was trained on, rather than transformers' defaults.
+
+Tokenizer: transformers 5 sets the pre-tokenizer (how text is split before the merges) only for the
+`tokenizer.ggml.pre` types in its own table; every other byte-level file gets GPT-2's split. SmolLM's files (the
+default model) say "smollm": its tokenizer.json puts each digit on its own before GPT-2's split, so without this
+"1)\n\n    0" became "\n\n   " + " " + "0" where llama.cpp and the original tokenizer give "\n\n    " + "0".
 
 transformers 5 reads none of: Phi-3's rotary dimensions (Phi-4-mini rotates 3/4 of each head), its sliding window,
 its original context and longrope factors (stored as the tensors rope_factors_long/short); Gemma 2's soft-caps; Gemma
@@ -18,11 +23,18 @@ logger = logging.getLogger(__name__)
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
 
 
-def complete_config(hf_config, gguf_path: Path) -> None:
-    """Fill in hf_config (built by transformers from the same file, not saved yet) from the file's metadata."""
+# `tokenizer.ggml.pre` types whose split llama.cpp (llama-vocab.cpp) makes as SmolLM's tokenizer.json does: each
+# digit alone, then GPT-2's regex. transformers knows none of them.
+_DIGITS_THEN_GPT2_SPLIT = ("smollm", "codeshell", "exaone", "minerva", "mellum2")
+
+
+def complete_config(hf_config, tokenizer, gguf_path: Path) -> None:
+    """Fill in hf_config and tokenizer (built by transformers from the same file, not saved yet) from the file's
+    metadata."""
     import gguf
 
     reader = gguf.GGUFReader(gguf_path)
+    _complete_tokenizer(tokenizer, reader)
     architecture = _scalar(reader, "general.architecture")
 
     def field(key: str):
@@ -33,6 +45,24 @@ def complete_config(hf_config, gguf_path: Path) -> None:
         _complete_phi3(hf_config, reader, field)
     elif model_type in _GEMMA_27B_LAYERS:
         _complete_gemma(hf_config, field)
+
+
+def complete_tokenizer(tokenizer, gguf_path: Path) -> None:
+    """The tokenizer part of complete_config, for a tokenizer saved without a config of Tern's."""
+    import gguf
+
+    _complete_tokenizer(tokenizer, gguf.GGUFReader(gguf_path))
+
+
+def _complete_tokenizer(tokenizer, reader) -> None:
+    pre = _scalar(reader, "tokenizer.ggml.pre")
+    if pre in _DIGITS_THEN_GPT2_SPLIT:
+        from tokenizers import pre_tokenizers
+
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
 
 
 def _complete_phi3(hf_config, reader, field) -> None:

