@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serve  # noqa: E402  bench/serve.py: one sweep against one server
-from rounds import _cpu_flags  # noqa: E402
+from rounds import kernel_flags  # noqa: E402
 
 
 def free_port() -> int:
@@ -160,9 +160,7 @@ def main() -> None:
                 print(f"{model.name} round {index + 1} {name}: {result}", flush=True)
         table.append((model, rounds))
 
-    flags = sorted(_cpu_flags() & {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-                                   "avx512_bf16"})
-    print(f"\n{args.rounds} alternated rounds; CPU flags: {' '.join(flags)}; {os.cpu_count()} cores\n")
+    print(f"\n{args.rounds} alternated rounds; CPU flags: {kernel_flags()}; {os.cpu_count()} cores\n")
     print("| GGUF | file MB | 1 stream tok/s Tern vs llama-server | 16 streams | prefill s (~"
           f"{args.prefill_tokens} tokens) | ready s | peak MB loading | resident MB at ready | peak MB after the runs |")
     print("|---|---|---|---|---|---|---|---|---|")

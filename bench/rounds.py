@@ -143,5 +143,11 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def kernel_flags() -> str:
+    """The CPU flags that decide Tern's and llama.cpp's kernels, for the line above a table of figures."""
+    return " ".join(sorted(_cpu_flags() & {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                                           "avx512_bf16", "amx_int8"}))
+
+
 if __name__ == "__main__":
     main()

@@ -11,11 +11,12 @@ package's reference de-quantizers read them; the tests hold every repacking to t
   Q4_1 (exact), Q4_K (per sub-block of 32, d = super_d * scale and m = -super_dmin * min, both products rounded
   to fp16: the file computes them in fp32).
 - `q8` (Tern's 8-bit layout, layouts.pack_q8: per 32 values of a row, w = d * q with q int8 and fp16 d): Q8_0,
-  exact (the same block, its bytes reordered).
+  exact (the same block, its bytes reordered); Q5_0, exact (w = d * (q - 16): q - 16 is an int8 level under the
+  file's own d). Q4_0 goes into q8 exactly the same way where a fused projection joins it to q8 parts.
 - `dequantize`: read as float32 one tensor at a time with `gguf`'s own reference, then handled as a checkpoint's
   float weight is (norms, biases; a linear layer gets the mode's quantization: under `auto` and `int8` q8,
-  re-quantized per 32 values, quant.quantize_q8). F32, F16, BF16 are exact this way; Q5_0, Q5_1, Q5_K and Q6_K
-  (5 or 6 bits with finer or nested scales) round to the nearest of q8's 255 levels per 32 values: an error of
+  re-quantized per 32 values, quant.quantize_q8). F32, F16, BF16 are exact this way; Q5_1, Q5_K and Q6_K
+  (5 or 6 bits with a minimum or nested scales) round to the nearest of q8's 255 levels per 32 values: an error of
   at most half a step of absmax / 127, a fraction of their own step.
 """
 from __future__ import annotations
@@ -39,14 +40,22 @@ class GgufType:
     repack: Callable[[torch.Tensor], torch.Tensor] | None = None  # uint8 [rows, bytes per row] -> the layout's bytes
     plain: Callable[[torch.Tensor], tuple] | None = None  # the same as the layout's parts: the twin tests hold it to
     int4: Callable[[torch.Tensor], torch.Tensor] | None = None  # a q4 type's blocks into int4 (a fused layer's parts)
+    q8: Callable[[torch.Tensor], torch.Tensor] | None = None  # into q8 exactly, for a type served in another layout
+
+    def holds(self, layout: str) -> bool:
+        """Whether the type's values go into `layout` exactly, by repacking its blocks."""
+        return (layout == self.layout and self.repack is not None) or self._other(layout) is not None
 
     def repack_into(self, layout: str) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The torch repacking into `layout`: the type's own, or int4 for a q4 type."""
-        if layout == self.layout:
+        """The torch repacking into `layout`: the type's own, or another one it goes into exactly."""
+        if layout == self.layout and self.repack is not None:
             return self.repack
-        if layout == "int4" and self.int4 is not None:
-            return self.int4
+        if self._other(layout) is not None:
+            return self._other(layout)
         raise ValueError(f"no repacking of {self.layout} blocks into {layout}")
+
+    def _other(self, layout: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return {"int4": self.int4, "q8": self.q8}.get(layout)
 
 
 def _split(blocks: torch.Tensor, block_bytes: int) -> torch.Tensor:
@@ -78,6 +87,21 @@ def q4_0_to_q4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_0: 18 bytes per 32 values, fp16 d then 16 bytes of nibbles; w = d * (q - 8): Tern's q4 as it is."""
     b = _split(blocks, 18)
     return _low_high(b[..., 2:18]).reshape(blocks.shape[0], -1), _fp16(b[..., 0:2])
+
+
+def q4_0_to_q8(blocks: torch.Tensor) -> Q8Parts:
+    """Q4_0 into q8 exactly: q - 8 in -8..7 is an int8 level under the same fp16 d."""
+    q, d = q4_0_to_q4(blocks)
+    return q.to(torch.int8) - 8, d
+
+
+def q5_0_to_q8(blocks: torch.Tensor) -> Q8Parts:
+    """Q5_0: 22 bytes per 32 values, fp16 d, 32 fifth bits (bit i: value i's), 16 bytes of nibbles (as Q4_0's);
+    w = d * (q - 16), and q - 16 in -16..15 is an int8 level under the same d: Tern's q8 holds it exactly."""
+    b = _split(blocks, 22)
+    fifth = (_int32(b[..., 2:6]) >> torch.arange(32, dtype=torch.int32)) & 1  # [rows, blocks, 32]
+    q = _low_high(b[..., 6:22]).to(torch.int32) | (fifth << 4)
+    return (q - 16).to(torch.int8).reshape(blocks.shape[0], -1), _fp16(b[..., 0:2])
 
 
 def q4_1_to_int4(blocks: torch.Tensor) -> Int4Parts:
@@ -191,14 +215,22 @@ def q8_0_packed(blocks: torch.Tensor) -> torch.Tensor:
     return layouts.pack_q8(*q8_0_to_q8(blocks))
 
 
+def q4_0_packed_q8(blocks: torch.Tensor) -> torch.Tensor:
+    return layouts.pack_q8(*q4_0_to_q8(blocks))
+
+
+def q5_0_packed(blocks: torch.Tensor) -> torch.Tensor:
+    return layouts.pack_q8(*q5_0_to_q8(blocks))
+
+
 GGUF_TYPES: dict[T, GgufType] = {
     T.F32: GgufType("dequantize"),
     T.F16: GgufType("dequantize"),
     T.BF16: GgufType("dequantize"),
-    T.Q4_0: GgufType("q4", q4_0_packed_q4, q4_0_to_q4, int4=q4_0_packed),
+    T.Q4_0: GgufType("q4", q4_0_packed_q4, q4_0_to_q4, int4=q4_0_packed, q8=q4_0_packed_q8),
     T.Q4_1: GgufType("int4", q4_1_packed, q4_1_to_int4),
     T.Q4_K: GgufType("int4", q4_k_packed, q4_k_to_int4),
-    T.Q5_0: GgufType("dequantize"),
+    T.Q5_0: GgufType("q8", q5_0_packed, q5_0_to_q8),
     T.Q5_1: GgufType("dequantize"),
     T.Q8_0: GgufType("q8", q8_0_packed, q8_0_to_q8),
     T.Q5_K: GgufType("dequantize"),

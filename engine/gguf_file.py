@@ -158,15 +158,16 @@ class GgufFile:
         return _into(GGUF_TYPES[tensor.tensor_type].repack_into(layout)(self.raw(name, num_heads)), out)
 
     def q8(self, name: str, num_heads: int | None = None, repack=None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The matrix in layouts.pack_q8's bytes: Q8_0 blocks as they are, any other type re-quantized per 32 values
-        (quant.quantize_q8 of gguf's de-quantized values), by `repack` in one pass where given, else through float32
-        a few thousand rows at a time; written into `out` where given."""
+        """The matrix in layouts.pack_q8's bytes: Q8_0 blocks as they are, Q4_0 and Q5_0 levels exactly under their
+        own scales, any other type re-quantized per 32 values (quant.quantize_q8 of gguf's de-quantized values), by
+        `repack` in one pass where given, else through float32 a few thousand rows at a time; written into `out`
+        where given."""
         tensor = self._tensors[name]
         if repack is not None:
             return repack(self.raw(name, num_heads), int(tensor.tensor_type), self.shape(name)[1],
                           GGUF_REPACK_LAYOUTS["q8"], out)
-        if self.layout(name) == "q8":
-            return self.packed(name, num_heads, out=out)
+        if GGUF_TYPES[tensor.tensor_type].holds("q8"):
+            return self.packed(name, num_heads, out=out, layout="q8")
         return _into(torch.cat([quant.pack_q8(rows) for rows in self.float_rows(name, num_heads)]), out)
 
     def type_name(self, name: str) -> str:

@@ -23,8 +23,9 @@ from engine.kernels import GGUF_REPACK_LAYOUTS, layouts
 from engine.layers import Int4Embedding, Int4Linear, Q4Embedding, Q4Linear, Q8Embedding, Q8Linear
 from engine.loader import default_gguf_path
 
-BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q4_K: (256, 144), T.Q6_K: (256, 210), T.Q8_0: (32, 34)}
-SCALE_BYTES = {T.Q4_0: (0, 2), T.Q4_1: (0, 4), T.Q4_K: (0, 4), T.Q6_K: (208, 210), T.Q8_0: (0, 2)}
+BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q4_K: (256, 144), T.Q5_0: (32, 22), T.Q6_K: (256, 210),
+         T.Q8_0: (32, 34)}
+SCALE_BYTES = {T.Q4_0: (0, 2), T.Q4_1: (0, 4), T.Q4_K: (0, 4), T.Q5_0: (0, 2), T.Q6_K: (208, 210), T.Q8_0: (0, 2)}
 
 
 def random_blocks(ggml_type: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -44,6 +45,15 @@ def test_q4_0_and_q4_1_repack_into_int4_bit_for_bit(ggml_type):
     raw = torch.from_numpy(random_blocks(ggml_type, 24, 512))
     packed = GGUF_TYPES[ggml_type].repack_into("int4")(raw)
     assert torch.equal(layouts.dequantize_int4(packed), torch.from_numpy(quants.dequantize(raw.numpy(), ggml_type)))
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q5_0, T.Q4_0], ids=lambda t: t.name)
+def test_q5_0_and_q4_0_go_into_q8_bit_for_bit(ggml_type):
+    """Their levels (q - 16, q - 8) are int8 levels under the file's own scale: Q5_0 is served in q8 as it is, and
+    Q4_0 goes there beside a fused layer's q8 parts, neither re-quantized."""
+    raw = torch.from_numpy(random_blocks(ggml_type, 24, 512))
+    packed = GGUF_TYPES[ggml_type].repack_into("q8")(raw)
+    assert torch.equal(layouts.dequantize_q8(packed), torch.from_numpy(quants.dequantize(raw.numpy(), ggml_type)))
 
 
 def test_q4_0_is_served_in_q4_its_own_bytes_bit_for_bit():
@@ -167,7 +177,7 @@ def write_tiny_gguf(path: Path, types: dict[str, T], tied: bool = True, seed: in
 
 def blocks_of(ggml_type: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """uint8 [rows, bytes per row] of any type the loader reads: random_blocks for those it knows, gguf's own
-    quantizer over random weights for Q5_0/Q5_1/F16/BF16/F32, random bytes with small scales for Q5_K."""
+    quantizer over random weights for Q5_1/F16/BF16/F32, random bytes with small scales for Q5_K."""
     if ggml_type in BLOCK:
         return random_blocks(ggml_type, rows, cols, seed)
     rng = np.random.default_rng(seed)
@@ -198,8 +208,8 @@ def test_the_kernel_librarys_repacking_gives_its_plain_twins_bytes(ggml_type, pa
         assert torch.equal(repack(raw, int(ggml_type), cols, GGUF_REPACK_LAYOUTS[kind.layout]), kind.repack(raw))
     if kind.layout == "q4":  # Q4_0 also into int4, beside int4 parts of a fused layer
         assert torch.equal(repack(raw, int(ggml_type), cols, GGUF_REPACK_LAYOUTS["int4"]), kind.repack_into("int4")(raw))
-    if kind.layout == "q8":  # Q8_0: its own blocks
-        assert torch.equal(repack(raw, int(ggml_type), cols, GGUF_REPACK_LAYOUTS["q8"]), kind.repack(raw))
+    if kind.holds("q8"):  # Q8_0 its own blocks, Q5_0 and Q4_0 their levels
+        assert torch.equal(repack(raw, int(ggml_type), cols, GGUF_REPACK_LAYOUTS["q8"]), kind.repack_into("q8")(raw))
     else:  # into q8 (a fused layer with a part that is not 4-bit takes q8 whole)
         floats = torch.from_numpy(quants.dequantize(raw.numpy(), ggml_type).astype(np.float32)).reshape(rows, cols)
         assert torch.equal(repack(raw, int(ggml_type), cols, GGUF_REPACK_LAYOUTS["q8"]), quant.pack_q8(floats))
@@ -216,6 +226,7 @@ FILES = {
     "Q4_0": (every(T.Q4_0), True),
     "Q4_0 with Q4_1 v and up": (every(T.Q4_0, v=T.Q4_1, up=T.Q4_1), False),
     "Q8_0": (every(T.Q8_0), True),
+    "Q5_0 with Q4_0 q and gate": (every(T.Q5_0, q=T.Q4_0, gate=T.Q4_0), True),
     "Q4_1+Q8_0 embedding": (every(T.Q4_1, embd=T.Q8_0), True),
     "Q4_K_M-like, untied": (Q4_K_M, False),
     "F32": (every(T.F32), False),
@@ -235,9 +246,9 @@ def transformers_model(path: Path):
 
 
 def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path):
-    """4-bit tensors are built 4-bit and Q8_0 ones q8, with the values transformers de-quantizes from the file
-    (exact for Q4_0/Q4_1/Q8_0, within fp16 rounding of the scales for Q4_K); the rest (Q6_K, F32) q8 within half a
-    step of its scales; q and k rows in transformers' order. (The layers as built, before packing for a kernel
+    """4-bit tensors are built 4-bit and Q8_0 and Q5_0 ones q8, with the values transformers de-quantizes from the
+    file (exact for Q4_0/Q4_1/Q5_0/Q8_0, and for Q4_0 parts joined to q8 ones; within fp16 rounding of the scales
+    for Q4_K); the rest (Q6_K, F32) q8 within half a step of its scales; q and k rows in transformers' order. (The layers as built, before packing for a kernel
     path: without kernels aten's int4pack re-packs them in its own way.)"""
     from transformers import AutoConfig
 
@@ -265,7 +276,7 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
             expected = torch.cat([reference[prefix + section + p + ".weight"] for p in parts])
             if not is_4bit:
                 ours = layouts.dequantize_q8(fused.weight_packed)
-                if kinds == {T.Q8_0}:
+                if all(GGUF_TYPES[kind].holds("q8") for kind in kinds):  # Q8_0, Q5_0, and Q4_0 beside them
                     assert torch.equal(ours, expected)
                 else:  # re-quantized per 32 values: within half a step (absmax / 127, rounded to fp16) of each
                     step = expected.reshape(expected.shape[0], -1, 32).abs().amax(-1, keepdim=True) / 127
@@ -287,7 +298,7 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
                                               else Q8Embedding)
     ids = torch.tensor([0, 7, 1234, 49151])
     rows = model.model.embed_tokens(ids).float()
-    if embd_type in (T.Q4_0, T.Q4_1, T.Q8_0):  # the rest is re-quantized to q8 under auto
+    if embd_type in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0):  # the rest is re-quantized to q8 under auto
         assert torch.equal(rows, reference["model.embed_tokens.weight"][ids])
 
 

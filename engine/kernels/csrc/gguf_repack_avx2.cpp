@@ -1,6 +1,7 @@
 // GGUF blocks into Tern's layouts at load time (kernels.h: gguf_int4_groups, gguf_q4_groups, gguf_q8_groups): the C++
 // twins of engine/gguf_blocks.py's torch repacking (int4: Q4_0, Q4_1, Q4_K; q4: Q4_0) and of gguf's numpy de-quantizer followed by
-// quant.quantize_q8 (q8: Q8_0 as it is; Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, F16, BF16, F32 re-quantized per 32 values).
+// quant.quantize_q8 (q8: Q8_0 as it is, Q4_0 and Q5_0 levels as they are; Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, F16, BF16,
+// F32 re-quantized per 32 values).
 // Bit for bit the same bytes: the float steps are numpy's and torch's, in their order, with no fused multiply-add
 // (-ffp-contract=off) and round-to-nearest-even everywhere. Why in C++: torch's many passes and gguf's numpy spent
 // 3-4 s of a 1B Q4_K_M file's start on 2 cores; this reads each block once.
@@ -189,6 +190,20 @@ inline void float_block(const uint8_t* row, int64_t b, float* w) {
   }
 }
 
+// Block b of a Q4_0 or Q5_0 row as q8 holds it exactly: its fp16 d, and q - 8 (Q4_0) or q - 16 (Q5_0) as int8.
+template <int type>
+void offset_levels(const uint8_t* row, int64_t b, int8_t* q, uint16_t& d) {
+  const uint8_t* block = row + b * (type == kQ4_0 ? 18 : 22);
+  std::memcpy(&d, block, 2);
+  uint32_t qh = 0;
+  if constexpr (type == kQ5_0) std::memcpy(&qh, block + 2, 4);
+  const uint8_t* qs = block + (type == kQ4_0 ? 2 : 6);
+  for (int i = 0; i < 32; ++i) {
+    const int low = i < 16 ? (qs[i] & 0x0F) : (qs[i - 16] >> 4);
+    q[i] = static_cast<int8_t>(type == kQ4_0 ? low - 8 : (low | static_cast<int>(((qh >> i) & 1) << 4)) - 16);
+  }
+}
+
 // quant.quantize_q8 of 32 values: the step absmax / 127 rounded to fp16 first, q = round(w / step) in -127..127.
 void quantize_block(const float* w, int8_t* q, uint16_t& d) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -270,6 +285,8 @@ void q8_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
         if constexpr (type == kQ8_0) {  // as it is
           std::memcpy(&d, row + b * 34, 2);
           std::memcpy(q, row + b * 34 + 2, 32);
+        } else if constexpr (type == kQ4_0 || type == kQ5_0) {  // d * (q - 8), d * (q - 16): int8 levels under d
+          offset_levels<type>(row, b, q, d);
         } else {
           alignas(32) float w[32];
           float_block<type>(row, b, w);
