@@ -8,6 +8,7 @@ at most one tensor's bytes are in flight beside the weights already converted.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -82,6 +83,7 @@ class GgufFile:
         self.path = path
         self.architecture = architecture
         self._tensors = tensors  # transformers name -> TensorInfo
+        self._scratch: np.ndarray | None = None  # the buffer reads share while reading() is open
 
     @classmethod
     def open(cls, path: Path, index: Path | None = None) -> "GgufFile":
@@ -152,8 +154,8 @@ class GgufFile:
         this part)."""
         tensor = self._tensors[name]
         layout = layout or self.layout(name)
-        if repack is not None:
-            return repack(self.raw(name, num_heads), int(tensor.tensor_type), self.shape(name)[1],
+        if repack is not None:  # a new tensor or `out`: the bytes read are done with when it returns
+            return repack(self.raw(name, num_heads, scratch=True), int(tensor.tensor_type), self.shape(name)[1],
                           GGUF_REPACK_LAYOUTS[layout], out)
         return _into(GGUF_TYPES[tensor.tensor_type].repack_into(layout)(self.raw(name, num_heads)), out)
 
@@ -164,7 +166,7 @@ class GgufFile:
         where given."""
         tensor = self._tensors[name]
         if repack is not None:
-            return repack(self.raw(name, num_heads), int(tensor.tensor_type), self.shape(name)[1],
+            return repack(self.raw(name, num_heads, scratch=True), int(tensor.tensor_type), self.shape(name)[1],
                           GGUF_REPACK_LAYOUTS["q8"], out)
         if GGUF_TYPES[tensor.tensor_type].holds("q8"):
             return self.packed(name, num_heads, out=out, layout="q8")
@@ -177,11 +179,26 @@ class GgufFile:
         """In torch's order: [rows, columns] for a matrix (GGUF lists dimensions innermost first)."""
         return tuple(int(n) for n in reversed(self._tensors[name].shape))
 
-    def raw(self, name: str, num_heads: int | None = None) -> torch.Tensor:
-        """The tensor's bytes, [rows, bytes per row] for a matrix, in memory of its own; q and k rows put back in
+    @contextlib.contextmanager
+    def reading(self):
+        """Within it the repacking reads (packed, q8) share one buffer of the largest tensor's size, whose pages the
+        process faults in once: a fresh buffer per tensor faulted in every page again, which costs ~3 us a page on
+        these VMs (1.8 s of a 3.4 GB Q8_0 file's 2.3 s of reads). The buffer is freed when the block ends."""
+        self._scratch = np.empty(max(t.n_bytes for t in self._tensors.values()), dtype=np.uint8)
+        try:
+            yield self
+        finally:
+            self._scratch = None
+
+    def raw(self, name: str, num_heads: int | None = None, scratch: bool = False) -> torch.Tensor:
+        """The tensor's bytes, [rows, bytes per row] for a matrix, in memory of its own (`scratch`, inside
+        reading(): in the shared buffer, which the next such read overwrites); q and k rows put back in
         transformers' order where the converter reordered them (`num_heads`: the heads of this matrix)."""
         tensor = self._tensors[name]
-        data = np.empty(tensor.n_bytes, dtype=np.uint8)
+        if scratch and self._scratch is not None:
+            data = self._scratch[:tensor.n_bytes]
+        else:
+            data = np.empty(tensor.n_bytes, dtype=np.uint8)
         with open(self.path, "rb") as file:
             read = os.preadv(file.fileno(), [memoryview(data)], tensor.data_offset)
         if read != tensor.n_bytes:

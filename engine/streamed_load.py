@@ -10,9 +10,10 @@ gate/up) keeps a layout only when every part has it (q4 parts beside int4 ones g
 and quant.quantize runs after, as for any checkpoint. Either way no whole-model float copy exists: peak memory is
 the served weights plus about one tensor in float32.
 
-A source answers: path, names(), `in`, shape(name), type_name(name), layout(name) ("int4", "q4", "q8" or None),
-packed(name, heads, repack, out, layout) (the tensor in that layout's bytes, or in int4's for a q4 tensor), q8(name, heads, repack) (the matrix in q8's,
-re-quantized where it is not Q8_0), float(name, heads) and float_rows(name, heads); `repack` is the kernel
+A source answers: path, reading() (a context the whole load runs in), names(), `in`, shape(name), type_name(name),
+layout(name) ("int4", "q4", "q8" or None), packed(name, heads, repack, out, layout) (the tensor in that layout's
+bytes, or in int4's for a q4 tensor), q8(name, heads, repack) (the matrix in q8's, re-quantized where the type's
+levels are not int8's), float(name, heads) and float_rows(name, heads); `repack` is the kernel
 library's GGUF repacking (CpuKernels.gguf_repack, None without it) and `heads`
 names how many heads a q or k matrix holds, for sources whose rows are stored in another order (llama.cpp's
 converter permutes them).
@@ -50,17 +51,18 @@ def build_model(source, hf_config, mode: str, dtype: torch.dtype, device: torch.
     model.fuse_projections()
     quantized = mode in quant.KERNEL_MODES and device.type == "cpu"
     builder = _LayerBuilder(source, hf_config, mode if quantized else "none", dtype, repack)
-    for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear) and name != "lm_head":
-            parent, _, child = name.rpartition(".")
-            parts = [f"{parent}.{part}" for part in model.fused_from.get(child, (child,))]
-            setattr(model.get_submodule(parent), child, builder.linear(parts))
-    head_and_embedding = ("model.embed_tokens.weight", "lm_head.weight")
-    for name, param in list(model.named_parameters()):
-        if param.is_meta and name not in head_and_embedding:  # the norms
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, builder.parameter(name))
-    builder.embedding_and_head(model)
+    with source.reading():
+        for name, module in list(model.named_modules()):
+            if isinstance(module, nn.Linear) and name != "lm_head":
+                parent, _, child = name.rpartition(".")
+                parts = [f"{parent}.{part}" for part in model.fused_from.get(child, (child,))]
+                setattr(model.get_submodule(parent), child, builder.linear(parts))
+        head_and_embedding = ("model.embed_tokens.weight", "lm_head.weight")
+        for name, param in list(model.named_parameters()):
+            if param.is_meta and name not in head_and_embedding:  # the norms
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child, builder.parameter(name))
+        builder.embedding_and_head(model)
     logger.info("%s: %s", source.path.name, builder.summary())
     return model.to(device)
 
