@@ -115,8 +115,8 @@ def main() -> None:
         served, described = tern_perplexity(model, "auto", "auto", add_bos, args.ctx, args.chunks)
         plain, _ = tern_perplexity(model, "none", "float32", add_bos, args.ctx, args.chunks)
         llama = llama_perplexity(args.llama_bin, model, args.ctx, args.chunks) if args.llama_bin else float("nan")
-        rows.append(f"| {model.name} | {model.stat().st_size / 1e6:.0f} | {described} | {served:.3f} | {plain:.3f} | {llama:.3f} | "
-                    f"{served / llama:.4f} |")
+        rows.append(f"| {model.name} | {model.stat().st_size / 1e6:.0f} | {described} | {served:.3f} | {plain:.3f} "
+                    f"| {llama:.3f} | {served / llama:.4f} |")
         print(rows[-1], f"({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
     print(f"\nCPU flags: {kernel_flags()}; {TEXT.name}, {args.chunks} chunks of {args.ctx} tokens, the second half of "
           f"each scored\n")

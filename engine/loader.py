@@ -162,7 +162,7 @@ def dequantized_checkpoint(gguf_path: Path, cache_dir: Path) -> Path:
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
             hf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                             dtype=torch.float32)
-        gguf_config.complete_tokenizer(tokenizer, gguf_path)
+            gguf_config.complete_tokenizer(tokenizer, gguf_path)  # inside: the file parsed above, not again
         # The weights are plain fp32 now; the config must not claim they are still GGUF-quantized.
         if hasattr(hf_model.config, "quantization_config"):
             del hf_model.config.quantization_config

@@ -100,10 +100,10 @@ inline void float_block(const uint8_t* row, int64_t b, float* w) {
         std::memcpy(&w[i], &bits, 4);
       }
       return;
-    case kQ4_0:
+    // Q4_0 and Q5_0 never come here: their levels go into q8 as they are (offset_levels).
     case kQ4_1:
-    case kQ4_K: {  // (d * scale) * q - (dmin * min) for Q4_K; d * (q - 8) and d * q + m for Q4_0 and Q4_1
-      const uint8_t* block = row + b * (type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : 0);
+    case kQ4_K: {  // (d * scale) * q - (dmin * min) for Q4_K; d * q + m for Q4_1
+      const uint8_t* block = row + b * 20;
       uint8_t q[32];
       if (type == kQ4_K) {
         const uint8_t* super = row + (b / 8) * 144;
@@ -116,33 +116,26 @@ inline void float_block(const uint8_t* row, int64_t b, float* w) {
         for (int i = 0; i < 32; ++i) w[i] = d * static_cast<float>((qs[i] >> (4 * (j % 2))) & 0x0F) - dm;
         return;
       }
-      const uint8_t* qs = block + (type == kQ4_0 ? 2 : 4);
+      const uint8_t* qs = block + 4;
       for (int i = 0; i < 16; ++i) {
         q[i] = qs[i] & 0x0F;
         q[i + 16] = qs[i] >> 4;
       }
       const float d = half_to_float(block);
-      if (type == kQ4_0) {
-        for (int i = 0; i < 32; ++i) w[i] = d * static_cast<float>(static_cast<int>(q[i]) - 8);
-      } else {
-        const float m = half_to_float(block + 2);
-        for (int i = 0; i < 32; ++i) w[i] = d * static_cast<float>(q[i]) + m;
-      }
+      const float m = half_to_float(block + 2);
+      for (int i = 0; i < 32; ++i) w[i] = d * static_cast<float>(q[i]) + m;
       return;
     }
-    case kQ5_0:
-    case kQ5_1: {  // d * (q - 16); d * q + m. Bit i of the 32-bit qh is value i's fifth bit.
-      const uint8_t* block = row + b * (type == kQ5_0 ? 22 : 24);
-      const int head = type == kQ5_0 ? 2 : 4;
+    case kQ5_1: {  // d * q + m. Bit i of the 32-bit qh is value i's fifth bit.
+      const uint8_t* block = row + b * 24;
       uint32_t qh;
-      std::memcpy(&qh, block + head, 4);
-      const uint8_t* qs = block + head + 4;
+      std::memcpy(&qh, block + 4, 4);
+      const uint8_t* qs = block + 8;
       const float d = half_to_float(block);
       for (int i = 0; i < 32; ++i) {
         const int low = i < 16 ? (qs[i] & 0x0F) : (qs[i - 16] >> 4);
         const int q = low | static_cast<int>(((qh >> i) & 1) << 4);
-        if (type == kQ5_0) w[i] = d * static_cast<float>(q - 16);
-        else w[i] = d * static_cast<float>(q) + half_to_float(block + 2);
+        w[i] = d * static_cast<float>(q) + half_to_float(block + 2);
       }
       return;
     }
