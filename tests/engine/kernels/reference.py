@@ -48,3 +48,12 @@ def q4_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor
     """x [M, K] times the weight d * (q - 8) (q [N, K] in 0..15, d fp16 [N, K/32]): q8's arithmetic on q - 8, the
     exact integer sum((q - 8) * xq) per block, then one float step."""
     return q8_matmul(x, q.to(torch.int8) - 8, d)
+
+
+def q4k_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, d: torch.Tensor,
+               dmin: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times GGUF's Q4_K weight (d * scale) * q - dmin * minimum (q [N, K] in 0..15, scale and minimum
+    [N, K/32] in 0..63, d and dmin fp16 [N, K/256]): int4's arithmetic with each block's d * scale and
+    -(dmin * minimum), float32 products that are exact."""
+    per_block = lambda s: s.float().repeat_interleave(8, dim=1)  # noqa: E731
+    return int4_matmul(x, q, per_block(d) * scale.float(), -(per_block(dmin) * minimum.float()))
