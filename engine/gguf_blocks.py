@@ -8,8 +8,8 @@ package's reference de-quantizers read them; the tests hold every repacking to t
   18 bytes per 32 values. Where a fused projection joins it to int4 parts, Q4_0 goes into int4 instead (`int4`
   below: m = -8 d, exact).
 - `q4k` (layouts.pack_q4k: per super-block of 256 values of a row fp16 d and dmin, per 32 a 6-bit scale and
-  minimum): Q4_K, exact, in the file's own 144 bytes per 256 values; the kernels compute d * scale and
-  -(dmin * min) in float32 as the file does.
+  minimum): Q4_K, exact, in the file's own 144 bytes per 256 values; its kernels multiply as llama.cpp's
+  Q4_K x Q8_K does (activations in blocks of 256, the scales and minimums applied in integers).
 - `int4` (Tern's 4-bit layout, layouts.pack_int4: per 32 values of a row, w = d * q + m with fp16 d and m):
   Q4_1 (exact). Where a fused projection joins Q4_K to Q4_0 or Q4_1 parts, all go into int4: Q4_K per sub-block
   of 32 as d = super_d * scale and m = -super_dmin * min, both products rounded to fp16.

@@ -122,7 +122,8 @@ class Q4KLinear(_BlockLinear):
 
 
 class PackedQ4KLinear(_KernelForward, Q4KLinear):
-    """Q4KLinear multiplied by Tern's q4k kernel (int4's arithmetic, each block's d and m from its super-block)."""
+    """Q4KLinear multiplied by Tern's q4k kernel (llama.cpp's Q4_K x Q8_K: activations quantized per 256 values, each
+    super-block's scales and minimums applied in integers)."""
 
 
 class Q8Linear(_BlockLinear):

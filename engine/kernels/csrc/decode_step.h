@@ -203,9 +203,12 @@ class DecodeStep : public torch::CustomClassHolder {
 
   void linear(const Linear& l, const float* x, int64_t M, float* out) {
     if (l.kind != WeightKind::kQ8) {
-      const Int4Groups groups = l.kind == WeightKind::kQ4 ? q4_groups_ : l.kind == WeightKind::kQ4K ? q4k_groups_ :
-                                int4_groups_;
-      int4_matmul(groups, scratch_, x, false, M, l.K, l.packed.data_ptr<uint8_t>(), l.N, out);
+      if (l.kind == WeightKind::kQ4K) {
+        q4k_matmul(q4k_groups_, scratch_, x, false, M, l.K, l.packed.data_ptr<uint8_t>(), l.N, out);
+      } else {
+        int4_matmul(l.kind == WeightKind::kQ4 ? q4_groups_ : int4_groups_, scratch_, x, false, M, l.K,
+                    l.packed.data_ptr<uint8_t>(), l.N, out);
+      }
     } else {
       q8_matmul(q8_groups_, scratch_, x, false, M, l.K, l.packed.data_ptr<uint8_t>(), l.N, out);
     }

@@ -12,13 +12,11 @@
 //
 // The q4 layout (kernels.h: q4_groups_avx2, GGUF's Q4_0) is the same loop without minimums: 144 bytes a group, and
 // per group dot = sum(q * xq) - 8 * sum(xq), exact, then one float step, q8's (acc += dot * (d * x_scale)).
-// The q4k layout (q4k_groups_avx2, GGUF's Q4_K) is int4's loop with each group's d and m computed from its
-// super-block's header (d * scale, -(dmin * min): exact products) instead of read as fp16.
+// The q4k layout (GGUF's Q4_K) has a loop of its own below: the same dots, summed per super-block in integers.
 #include "avx2.h"
 #include "kernels.h"
 
 #include <algorithm>
-#include <vector>
 
 namespace tern {
 namespace {
@@ -26,66 +24,32 @@ namespace {
 constexpr int kTileRows = 4;  // activation rows sharing each weight load
 constexpr int kPairTileRows = 4;  // the same, when two groups share each activation broadcast
 
-// Which 4-bit layout a loop reads (kernels.h).
-enum class Form { kInt4, kQ4, kQ4K };
-
-// Bytes per group of 8 rows and 32 columns (q4k: on average; its groups come 8 to a super-block).
-template <Form kForm>
-constexpr int64_t kBytes = kForm == Form::kInt4 ? kInt4GroupBytes : kQ4GroupBytes;
-
-// Where block c's 128 bytes of nibbles are in a group of rows' bytes.
-template <Form kForm>
-inline const uint8_t* nibbles(const uint8_t* w, int64_t c) {
-  if constexpr (kForm == Form::kQ4K) return w + (c / 8) * kQ4KSuperBytes + 128 + (c % 8) * 128;
-  else return w + c * kBytes<kForm>;
-}
-
-// The 8 rows' d and (int4, q4k) m of block c.
-template <Form kForm>
-inline void group_scales(const uint8_t* w, int64_t c, __m256& d, __m256& minimum) {
-  if constexpr (kForm == Form::kQ4K) {
-    const uint8_t* super = w + (c / 8) * kQ4KSuperBytes;
-    const int j = static_cast<int>(c % 8);
-    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 32));
-    const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 64 + 8 * j)));
-    const __m256i three = _mm256_set1_epi32(3);
-    const __m256i scale = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(15)),
-        _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(hi, _mm_cvtsi32_si128(2 * j)), three), 4));
-    const __m256i min = _mm256_or_si256(_mm256_srli_epi32(low, 4),
-        _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(hi, _mm_cvtsi32_si128(16 + 2 * j)), three), 4));
-    const __m256 super_d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super)));
-    const __m256 super_min = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 16)));
-    d = _mm256_mul_ps(_mm256_cvtepi32_ps(scale), super_d);
-    minimum = _mm256_xor_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(min), super_min), _mm256_set1_ps(-0.0f));
-  } else {
-    const uint8_t* wc = w + c * kBytes<kForm>;
-    d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wc + 128)));
-    if constexpr (kForm == Form::kInt4) minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wc + 144)));
-  }
-}
-
-// acc += one group's float steps: dot * (d * x_scale), then (int4, q4k) m * (x_scale * sum) or (q4: the dot less
+// acc += one group's float steps: dot * (d * x_scale), then (int4) m * (x_scale * sum) or (q4: the dot less
 // 8 * sum(xq) first, no minimum). `block` indexes the activations' (row, block).
-template <Form kForm>
-inline __m256 add_group(__m256 acc, __m256i dot, __m256 d, __m256 minimum, const QuantizedRows& q, int64_t block) {
-  if constexpr (kForm == Form::kQ4) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * q.sums[block]));
+template <bool kQ4>
+inline __m256 add_group(__m256 acc, __m256i dot, const uint8_t* wc, const QuantizedRows& q, int64_t block) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wc + 128)));
+  if constexpr (kQ4) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * q.sums[block]));
   acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(q.scales[block]))));
-  if constexpr (kForm != Form::kQ4) acc = _mm256_add_ps(acc, _mm256_mul_ps(minimum, _mm256_set1_ps(q.sum_scales[block])));
+  if constexpr (!kQ4) {
+    const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wc + 144)));
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(minimum, _mm256_set1_ps(q.sum_scales[block])));
+  }
   return acc;
 }
 
-template <Form kForm, int MB>
+template <bool kQ4, int MB>
 inline void group_rows(const Int4Problem& p, int64_t m0, const uint8_t* w, int64_t n0, const uint8_t* prefetch) {
-  constexpr int64_t kGroupBytes = kBytes<kForm>;
+  constexpr int64_t kBytes = kQ4 ? kQ4GroupBytes : kInt4GroupBytes;
   const QuantizedRows& q = *p.x;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t c = 0; c < q.blocks; ++c) {
-    const uint8_t* wc = nibbles<kForm>(w, c);
-    if (prefetch)  // the next group's bytes, in step (a q4k group's are 144 a block on average)
-      for (int64_t line = 0; line < kGroupBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(prefetch + c * kGroupBytes + line), _MM_HINT_T0);
+    const uint8_t* wc = w + c * kBytes;
+    if (prefetch)
+      for (int64_t line = 0; line < kBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + c * kBytes + line), _MM_HINT_T0);
     __m256i sums[MB];
     const int32_t* x[MB];
     for (int m = 0; m < MB; ++m) {
@@ -103,26 +67,23 @@ inline void group_rows(const Int4Problem& p, int64_t m0, const uint8_t* w, int64
         sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[m][2 * j + 1])));
       }
     }
-    __m256 d, minimum;
-    group_scales<kForm>(w, c, d, minimum);
     for (int m = 0; m < MB; ++m)
-      acc[m] = add_group<kForm>(acc[m], _mm256_madd_epi16(sums[m], ones), d, minimum, q, (m0 + m) * q.blocks + c);
+      acc[m] = add_group<kQ4>(acc[m], _mm256_madd_epi16(sums[m], ones), wc, q, (m0 + m) * q.blocks + c);
   }
   for (int m = 0; m < MB; ++m) avx2::store8(p.out, (m0 + m) * p.N + n0, acc[m], p.out_bf16);
 }
 
 // Two neighbouring groups (16 rows) at once, for batches: each broadcast activation feeds two weight registers
 // (prefill-sized batches 1.13x faster; one row, memory-bound, gains nothing and keeps the single-group loop).
-// `table` (q4k): each block's d and m for groups a and b, 4 registers a block, computed once for all row tiles.
-template <Form kForm, int MB>
-inline void group_pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, int64_t n0,
-                            const __m256* table) {
+template <bool kQ4, int MB>
+inline void group_pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, int64_t n0) {
+  constexpr int64_t kBytes = kQ4 ? kQ4GroupBytes : kInt4GroupBytes;
   const QuantizedRows& q = *p.x;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[2][MB];
   for (int m = 0; m < MB; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
   for (int64_t c = 0; c < q.blocks; ++c) {
-    const uint8_t* wc[2] = {nibbles<kForm>(wa, c), nibbles<kForm>(wb, c)};
+    const uint8_t* wc[2] = {wa + c * kBytes, wb + c * kBytes};
     __m256i sums[2][MB];
     const int32_t* x[MB];
     for (int m = 0; m < MB; ++m) {
@@ -141,40 +102,26 @@ inline void group_pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa,
         sums[1][m] = _mm256_add_epi16(sums[1][m], _mm256_add_epi16(_mm256_maddubs_epi16(lob, xl), _mm256_maddubs_epi16(hib, xh)));
       }
     }
-    for (int g = 0; g < 2; ++g) {
-      __m256 d, minimum;
-      if (table) {
-        d = table[4 * c + 2 * g];
-        minimum = table[4 * c + 2 * g + 1];
-      } else {
-        group_scales<kForm>(g == 0 ? wa : wb, c, d, minimum);
-      }
+    for (int g = 0; g < 2; ++g)
       for (int m = 0; m < MB; ++m)
-        acc[g][m] = add_group<kForm>(acc[g][m], _mm256_madd_epi16(sums[g][m], ones), d, minimum, q, (m0 + m) * q.blocks + c);
-    }
+        acc[g][m] = add_group<kQ4>(acc[g][m], _mm256_madd_epi16(sums[g][m], ones), wc[g], q, (m0 + m) * q.blocks + c);
   }
   for (int g = 0; g < 2; ++g)
     for (int m = 0; m < MB; ++m) avx2::store8(p.out, (m0 + m) * p.N + n0 + 8 * g, acc[g][m], p.out_bf16);
 }
 
-template <Form kForm>
+template <bool kQ4>
 void groups(const Int4Problem& p, int64_t g0, int64_t g1) {
-  const int64_t group_stride = p.x->blocks * kBytes<kForm>;  // 8 rows, all of K
+  const int64_t group_stride = p.x->blocks * (kQ4 ? kQ4GroupBytes : kInt4GroupBytes);  // 8 rows, all of K
   if (p.M > 1) {
-    // q4k's d and m take ~20 instructions a block to decode: for prefill-sized batches once per block, not per tile
-    // (at 16 rows or fewer that measured no faster).
-    std::vector<__m256> table(kForm == Form::kQ4K && p.M > 4 * kPairTileRows ? 4 * p.x->blocks : 0);
     for (; g0 + 1 < g1; g0 += 2) {
       const uint8_t* wa = p.w + g0 * group_stride;
-      for (int64_t c = 0; c < static_cast<int64_t>(table.size()) / 4; ++c)
-        for (int g = 0; g < 2; ++g) group_scales<kForm>(wa + g * group_stride, c, table[4 * c + 2 * g], table[4 * c + 2 * g + 1]);
-      const __m256* scales = table.empty() ? nullptr : table.data();
       for (int64_t m = 0; m < p.M; m += kPairTileRows) {
         switch (std::min<int64_t>(kPairTileRows, p.M - m)) {
-          case 1: group_pair_rows<kForm, 1>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows, scales); break;
-          case 2: group_pair_rows<kForm, 2>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows, scales); break;
-          case 3: group_pair_rows<kForm, 3>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows, scales); break;
-          default: group_pair_rows<kForm, kPairTileRows>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows, scales); break;
+          case 1: group_pair_rows<kQ4, 1>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+          case 2: group_pair_rows<kQ4, 2>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+          case 3: group_pair_rows<kQ4, 3>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+          default: group_pair_rows<kQ4, kPairTileRows>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
         }
       }
     }
@@ -184,21 +131,94 @@ void groups(const Int4Problem& p, int64_t g0, int64_t g1) {
     const uint8_t* next = g + 1 < g1 ? wg + group_stride : nullptr;
     for (int64_t m = 0; m < p.M; m += kTileRows, next = nullptr) {
       switch (std::min<int64_t>(kTileRows, p.M - m)) {
-        case 1: group_rows<kForm, 1>(p, m, wg, g * kInt4GroupRows, next); break;
-        case 2: group_rows<kForm, 2>(p, m, wg, g * kInt4GroupRows, next); break;
-        case 3: group_rows<kForm, 3>(p, m, wg, g * kInt4GroupRows, next); break;
-        default: group_rows<kForm, kTileRows>(p, m, wg, g * kInt4GroupRows, next); break;
+        case 1: group_rows<kQ4, 1>(p, m, wg, g * kInt4GroupRows, next); break;
+        case 2: group_rows<kQ4, 2>(p, m, wg, g * kInt4GroupRows, next); break;
+        case 3: group_rows<kQ4, 3>(p, m, wg, g * kInt4GroupRows, next); break;
+        default: group_rows<kQ4, kTileRows>(p, m, wg, g * kInt4GroupRows, next); break;
       }
     }
   }
 }
 
+// q4k (kernels.h: llama.cpp's Q4_K x Q8_K): out[m, rows n0..n0+7] for MB activation rows against one group. Per
+// sub-block j each row's exact dot (vpmaddubsw pairs summed in int16, then vpmaddwd), then in integers
+// isum += s_j * dot and msum += m_j * sum of the activations' 32 int8s; two float steps per super-block.
+constexpr int kQ4KTileRows = 2;  // acc, isum, msum and the int16 sums per row, of 16 registers
+
+template <int MB>
+inline void q4k_group_rows(const Q4KProblem& p, int64_t m0, const uint8_t* w, int64_t n0, const uint8_t* prefetch) {
+  const QuantizedRows& q = *p.x;  // blocks of 256: q.blocks super-blocks, q.sums32 per 32 values
+  const int64_t per_row = q.K / kInt4GroupCols;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i fifteen = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3);
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < q.blocks; ++s) {
+    const uint8_t* super = w + s * kQ4KSuperBytes;
+    if (prefetch)  // the next group's super-block, in step
+      for (int64_t line = 0; line < kQ4KSuperBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + s * kQ4KSuperBytes + line), _MM_HINT_T0);
+    __m256i top = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 32));  // s_j at 2j, m_j at 16 + 2j
+    __m256i isum[MB], msum[MB];
+    for (int m = 0; m < MB; ++m) isum[m] = msum[m] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int j = 0; j < 8; ++j) {
+      const __m256i lows = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 64 + 8 * j)));
+      const __m256i scale = _mm256_or_si256(_mm256_and_si256(lows, fifteen),
+                                            _mm256_slli_epi32(_mm256_and_si256(top, three), 4));
+      const __m256i min = _mm256_or_si256(_mm256_srli_epi32(lows, 4),
+                                          _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(top, 16), three), 4));
+      top = _mm256_srli_epi32(top, 2);
+      const uint8_t* wc = super + 128 + 128 * j;
+      const int64_t c = s * 8 + j;
+      __m256i sums[MB];
+      const int32_t* x[MB];
+      for (int m = 0; m < MB; ++m) {
+        sums[m] = _mm256_setzero_si256();
+        x[m] = reinterpret_cast<const int32_t*>(q.values + (m0 + m) * q.K + c * kInt4GroupCols);
+      }
+      for (int r = 0; r < 4; ++r) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32 * r));
+        const __m256i lo = _mm256_and_si256(packed, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+        for (int m = 0; m < MB; ++m) {
+          sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[m][2 * r])));
+          sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[m][2 * r + 1])));
+        }
+      }
+      for (int m = 0; m < MB; ++m) {
+        isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(_mm256_madd_epi16(sums[m], ones), scale));
+        msum[m] = _mm256_add_epi32(msum[m], _mm256_mullo_epi32(min, _mm256_set1_epi32(q.sums32[(m0 + m) * per_row + c])));
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super)));
+    const __m256 negative_dmin = _mm256_xor_ps(
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 16))), _mm256_set1_ps(-0.0f));
+    for (int m = 0; m < MB; ++m) {
+      const __m256 x_scale = _mm256_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
+      acc[m] = _mm256_add_ps(acc[m], _mm256_mul_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, x_scale)));
+      acc[m] = _mm256_add_ps(acc[m], _mm256_mul_ps(_mm256_cvtepi32_ps(msum[m]), _mm256_mul_ps(negative_dmin, x_scale)));
+    }
+  }
+  for (int m = 0; m < MB; ++m) avx2::store8(p.out, (m0 + m) * p.N + n0, acc[m], p.out_bf16);
+}
+
 }  // namespace
 
-void int4_groups_avx2(const Int4Problem& p, int64_t g0, int64_t g1) { groups<Form::kInt4>(p, g0, g1); }
+void q4k_groups_avx2(const Q4KProblem& p, int64_t g0, int64_t g1) {
+  const int64_t group_stride = p.x->blocks * kQ4KSuperBytes;  // 8 rows, all of K
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = p.w + g * group_stride;
+    const uint8_t* next = g + 1 < g1 ? wg + group_stride : nullptr;
+    for (int64_t m = 0; m < p.M; m += kQ4KTileRows, next = nullptr) {
+      if (p.M - m >= 2) q4k_group_rows<2>(p, m, wg, g * kInt4GroupRows, next);
+      else q4k_group_rows<1>(p, m, wg, g * kInt4GroupRows, next);
+    }
+  }
+}
 
-void q4_groups_avx2(const Q4Problem& p, int64_t g0, int64_t g1) { groups<Form::kQ4>(p, g0, g1); }
+void int4_groups_avx2(const Int4Problem& p, int64_t g0, int64_t g1) { groups<false>(p, g0, g1); }
 
-void q4k_groups_avx2(const Q4KProblem& p, int64_t g0, int64_t g1) { groups<Form::kQ4K>(p, g0, g1); }
+void q4_groups_avx2(const Q4Problem& p, int64_t g0, int64_t g1) { groups<true>(p, g0, g1); }
 
 }  // namespace tern

@@ -10,16 +10,14 @@
 // then acc += m * (x_scale * sum)) are unchanged, so both kernels give the same bits.
 //
 // The q4 layout (kernels.h: q4_groups_avx512, GGUF's Q4_0) is the same loop without minimums: each dot starts at
-// -8 * sum(xq), so it ends at sum((q - 8) * xq), and one float step follows, q8's. The q4k layout (q4k_groups_avx512,
-// GGUF's Q4_K) is int4's loop with each group's d and m computed from its super-block's header, as the AVX2 kernel
-// computes them.
+// -8 * sum(xq), so it ends at sum((q - 8) * xq), and one float step follows, q8's. The q4k layout (GGUF's Q4_K) has a
+// loop of its own below: the same dots, summed per super-block in integers.
 #include "avx512.h"
 #include "kernels.h"
 
 #include <immintrin.h>
 
 #include <algorithm>
-#include <vector>
 
 namespace tern {
 namespace {
@@ -30,70 +28,26 @@ constexpr int kTileRows = 8;  // activation rows sharing each weight load
 // past a row group's end touches the next group's lines, which are read next anyway.
 constexpr int64_t kPrefetchBlocks = 4;
 
-// Which 4-bit layout a loop reads (kernels.h).
-enum class Form { kInt4, kQ4, kQ4K };
-
-// Bytes per group of 8 rows and 32 columns (q4k: on average; its groups come 8 to a super-block).
-template <Form kForm>
-constexpr int64_t kBytes = kForm == Form::kInt4 ? kInt4GroupBytes : kQ4GroupBytes;
-
-// Where block c's 128 bytes of nibbles are in a group of rows' bytes.
-template <Form kForm>
-inline const uint8_t* nibbles(const uint8_t* w, int64_t c) {
-  if constexpr (kForm == Form::kQ4K) return w + (c / 8) * kQ4KSuperBytes + 128 + (c % 8) * 128;
-  else return w + c * kBytes<kForm>;
-}
-
-// Block c's d (and, int4 and q4k, m) for the 8 rows of group a (low lanes) and the 8 of group b (high lanes).
-template <Form kForm>
-inline void group_scales(const uint8_t* wa, const uint8_t* wb, int64_t c, __m512& d, __m512& minimum) {
-  if constexpr (kForm == Form::kQ4K) {
-    const uint8_t* sa = wa + (c / 8) * kQ4KSuperBytes;
-    const uint8_t* sb = wb + (c / 8) * kQ4KSuperBytes;
-    const int j = static_cast<int>(c % 8);
-    const __m512i hi = avx512::two_groups(sa + 32, sb + 32);
-    const __m512i low = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sa + 64 + 8 * j)),
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 64 + 8 * j))));
-    const __m512i three = _mm512_set1_epi32(3);
-    const __m512i scale = _mm512_or_si512(_mm512_and_si512(low, _mm512_set1_epi32(15)),
-        _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(hi, _mm_cvtsi32_si128(2 * j)), three), 4));
-    const __m512i min = _mm512_or_si512(_mm512_srli_epi32(low, 4),
-        _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(hi, _mm_cvtsi32_si128(16 + 2 * j)), three), 4));
-    d = _mm512_mul_ps(_mm512_cvtepi32_ps(scale), avx512::two_fp16_rows(sa, sb));
-    minimum = _mm512_castsi512_ps(_mm512_xor_si512(
-        _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(min), avx512::two_fp16_rows(sa + 16, sb + 16))),
-        _mm512_set1_epi32(static_cast<int>(0x80000000u))));
-  } else {
-    const uint8_t* ca = wa + c * kBytes<kForm>;
-    const uint8_t* cb = wb + c * kBytes<kForm>;
-    d = avx512::two_fp16_rows(ca + 128, cb + 128);
-    if constexpr (kForm == Form::kInt4) minimum = avx512::two_fp16_rows(ca + 144, cb + 144);
-  }
-}
-
-// out[m, rows n0..n0+15] for MB activation rows against groups wa (rows n0..n0+7) and wb (n0+8..n0+15).
-// `table` (q4k, prefill-sized batches): each block's d and m, 2 registers a block, computed once for all tiles.
-template <Form kForm, int MB>
-inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, int64_t n0,
-                      const __m512* table) {
-  constexpr int64_t kGroupBytes = kBytes<kForm>;
+// out[m, rows n0..n0+15] for MB activation rows against groups wa (rows n0..n0+7) and wb (n0+8..n0+15); kQ4: the
+// q4 layout (no minimums), else int4.
+template <bool kQ4, int MB>
+inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, int64_t n0) {
+  constexpr int64_t kBytes = kQ4 ? kQ4GroupBytes : kInt4GroupBytes;
   const QuantizedRows& q = *p.x;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t c = 0; c < q.blocks; ++c) {
-    const uint8_t* ca = nibbles<kForm>(wa, c);
-    const uint8_t* cb = nibbles<kForm>(wb, c);
-    // In step with c (a q4k group's bytes are 144 a block on average, its header first).
-    for (int line = 0; line < kGroupBytes; line += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(wa + (c + kPrefetchBlocks) * kGroupBytes + line), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wb + (c + kPrefetchBlocks) * kGroupBytes + line), _MM_HINT_T0);
+    const uint8_t* ca = wa + c * kBytes;
+    const uint8_t* cb = wb + c * kBytes;
+    for (int line = 0; line < kBytes; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(ca + kPrefetchBlocks * kBytes + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(cb + kPrefetchBlocks * kBytes + line), _MM_HINT_T0);
     }
     __m512i dot[MB];
     const int32_t* x[MB];
     for (int m = 0; m < MB; ++m) {
-      dot[m] = kForm == Form::kQ4 ? _mm512_set1_epi32(-8 * q.sums[(m0 + m) * q.blocks + c]) : _mm512_setzero_si512();
+      dot[m] = kQ4 ? _mm512_set1_epi32(-8 * q.sums[(m0 + m) * q.blocks + c]) : _mm512_setzero_si512();
       x[m] = reinterpret_cast<const int32_t*>(q.values + (m0 + m) * q.K + c * kInt4GroupCols);
     }
     for (int j = 0; j < 4; ++j) {
@@ -105,19 +59,14 @@ inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa, const
         dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(x[m][2 * j + 1]));
       }
     }
-    __m512 d, minimum;
-    if (table) {
-      d = table[2 * c];
-      minimum = table[2 * c + 1];
-    } else {
-      group_scales<kForm>(wa, wb, c, d, minimum);
-    }
-    if constexpr (kForm == Form::kQ4) {
+    const __m512 d = avx512::two_fp16_rows(ca + 128, cb + 128);
+    if constexpr (kQ4) {
       for (int m = 0; m < MB; ++m) {
         const float x_scale = q.scales[(m0 + m) * q.blocks + c];
         acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(d, _mm512_set1_ps(x_scale))));
       }
     } else {
+      const __m512 minimum = avx512::two_fp16_rows(ca + 144, cb + 144);
       for (int m = 0; m < MB; ++m) {
         const int64_t block = (m0 + m) * q.blocks + c;
         const float x_scale = q.scales[block];
@@ -129,44 +78,116 @@ inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa, const
   for (int m = 0; m < MB; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, acc[m], p.out_bf16);
 }
 
-template <Form kForm>
+template <bool kQ4>
 void groups(const Int4Problem& p, int64_t g0, int64_t g1) {
-  const int64_t group_stride = p.x->blocks * kBytes<kForm>;  // 8 rows, all of K
-  // q4k's d and m take ~20 instructions a block to decode: for prefill-sized batches once per block, not per tile
-  // (at 16 rows or fewer that measured no faster).
-  std::vector<__m512> table(kForm == Form::kQ4K && p.M > 2 * kTileRows ? 2 * p.x->blocks : 0);
+  const int64_t group_stride = p.x->blocks * (kQ4 ? kQ4GroupBytes : kInt4GroupBytes);  // 8 rows, all of K
   for (; g0 + 1 < g1; g0 += 2) {
     const uint8_t* wa = p.w + g0 * group_stride;
-    for (int64_t c = 0; c < static_cast<int64_t>(table.size()) / 2; ++c)
-      group_scales<kForm>(wa, wa + group_stride, c, table[2 * c], table[2 * c + 1]);
-    const __m512* scales = table.empty() ? nullptr : table.data();
     for (int64_t m = 0; m < p.M; m += kTileRows) {
       switch (std::min<int64_t>(kTileRows, p.M - m)) {
-        case 1: pair_rows<kForm, 1>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows, scales); break;
-        case 2: pair_rows<kForm, 2>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows, scales); break;
-        case 3: pair_rows<kForm, 3>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows, scales); break;
-        case 4: pair_rows<kForm, 4>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows, scales); break;
-        case 5: pair_rows<kForm, 5>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows, scales); break;
-        case 6: pair_rows<kForm, 6>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows, scales); break;
-        case 7: pair_rows<kForm, 7>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows, scales); break;
-        default: pair_rows<kForm, kTileRows>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows, scales); break;
+        case 1: pair_rows<kQ4, 1>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        case 2: pair_rows<kQ4, 2>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        case 3: pair_rows<kQ4, 3>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        case 4: pair_rows<kQ4, 4>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        case 5: pair_rows<kQ4, 5>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        case 6: pair_rows<kQ4, 6>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        case 7: pair_rows<kQ4, 7>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        default: pair_rows<kQ4, kTileRows>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
       }
     }
   }
   // An odd group left: the AVX2 kernel, the same bits.
-  if (g0 < g1) {
-    if constexpr (kForm == Form::kInt4) int4_groups_avx2(p, g0, g1);
-    else if constexpr (kForm == Form::kQ4) q4_groups_avx2(p, g0, g1);
-    else q4k_groups_avx2(p, g0, g1);
+  if (g0 < g1) kQ4 ? q4_groups_avx2(p, g0, g1) : int4_groups_avx2(p, g0, g1);
+}
+
+// q4k (kernels.h: llama.cpp's Q4_K x Q8_K): out[m, rows n0..n0+15] for MB activation rows against groups wa and wb.
+// Per sub-block j of a super-block each row's exact dot, then in integers isum += s_j * dot and msum += m_j * sum
+// of the activations' 32 int8s; two float steps per super-block.
+constexpr int kQ4KTileRows = 4;  // acc, isum, msum and dot per row: 16 of the 32 registers
+
+template <int MB>
+inline void q4k_pair_rows(const Q4KProblem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, int64_t n0) {
+  const QuantizedRows& q = *p.x;  // blocks of 256: q.blocks super-blocks, q.sums32 per 32 values
+  const int64_t per_row = q.K / kInt4GroupCols;
+  const __m512i low = _mm512_set1_epi8(0x0F), fifteen = _mm512_set1_epi32(15), three = _mm512_set1_epi32(3);
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < q.blocks; ++s) {
+    const uint8_t* sa = wa + s * kQ4KSuperBytes;
+    const uint8_t* sb = wb + s * kQ4KSuperBytes;
+    __m512i top = avx512::two_groups(sa + 32, sb + 32);  // a row's top bits: s_j at 2j, m_j at 16 + 2j
+    __m512i isum[MB], msum[MB];
+    for (int m = 0; m < MB; ++m) isum[m] = msum[m] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      for (int line = 0; line < kQ4GroupBytes; line += 64) {  // in step, kPrefetchBlocks blocks of 144 bytes ahead
+        _mm_prefetch(reinterpret_cast<const char*>(sa + (kPrefetchBlocks + j) * kQ4GroupBytes + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(sb + (kPrefetchBlocks + j) * kQ4GroupBytes + line), _MM_HINT_T0);
+      }
+      const __m512i lows = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sa + 64 + 8 * j)),
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 64 + 8 * j))));
+      const __m512i scale = _mm512_or_si512(_mm512_and_si512(lows, fifteen),
+                                            _mm512_slli_epi32(_mm512_and_si512(top, three), 4));
+      const __m512i min = _mm512_or_si512(_mm512_srli_epi32(lows, 4),
+                                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(top, 16), three), 4));
+      top = _mm512_srli_epi32(top, 2);
+      const uint8_t* ca = sa + 128 + 128 * j;
+      const uint8_t* cb = sb + 128 + 128 * j;
+      const int64_t c = s * 8 + j;
+      __m512i dot[MB];
+      const int32_t* x[MB];
+      for (int m = 0; m < MB; ++m) {
+        dot[m] = _mm512_setzero_si512();
+        x[m] = reinterpret_cast<const int32_t*>(q.values + (m0 + m) * q.K + c * kInt4GroupCols);
+      }
+      for (int r = 0; r < 4; ++r) {
+        const __m512i packed = avx512::two_groups(ca + 32 * r, cb + 32 * r);
+        const __m512i lo = _mm512_and_si512(packed, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        for (int m = 0; m < MB; ++m) {
+          dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(x[m][2 * r]));
+          dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(x[m][2 * r + 1]));
+        }
+      }
+      for (int m = 0; m < MB; ++m) {
+        isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(dot[m], scale));
+        msum[m] = _mm512_add_epi32(msum[m], _mm512_mullo_epi32(min, _mm512_set1_epi32(q.sums32[(m0 + m) * per_row + c])));
+      }
+    }
+    const __m512 d = avx512::two_fp16_rows(sa, sb);
+    const __m512 negative_dmin = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(avx512::two_fp16_rows(sa + 16, sb + 16)), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+    for (int m = 0; m < MB; ++m) {
+      const __m512 x_scale = _mm512_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
+      acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, x_scale)));
+      acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_cvtepi32_ps(msum[m]), _mm512_mul_ps(negative_dmin, x_scale)));
+    }
   }
+  for (int m = 0; m < MB; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, acc[m], p.out_bf16);
+}
+
+void q4k_groups(const Q4KProblem& p, int64_t g0, int64_t g1) {
+  const int64_t group_stride = p.x->blocks * kQ4KSuperBytes;  // 8 rows, all of K
+  for (; g0 + 1 < g1; g0 += 2) {
+    const uint8_t* wa = p.w + g0 * group_stride;
+    for (int64_t m = 0; m < p.M; m += kQ4KTileRows) {
+      switch (std::min<int64_t>(kQ4KTileRows, p.M - m)) {
+        case 1: q4k_pair_rows<1>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        case 2: q4k_pair_rows<2>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        case 3: q4k_pair_rows<3>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        default: q4k_pair_rows<kQ4KTileRows>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+      }
+    }
+  }
+  if (g0 < g1) q4k_groups_avx2(p, g0, g1);  // an odd group left: the AVX2 kernel, the same bits
 }
 
 }  // namespace
 
-void int4_groups_avx512(const Int4Problem& p, int64_t g0, int64_t g1) { groups<Form::kInt4>(p, g0, g1); }
+void q4k_groups_avx512(const Q4KProblem& p, int64_t g0, int64_t g1) { q4k_groups(p, g0, g1); }
 
-void q4_groups_avx512(const Q4Problem& p, int64_t g0, int64_t g1) { groups<Form::kQ4>(p, g0, g1); }
+void int4_groups_avx512(const Int4Problem& p, int64_t g0, int64_t g1) { groups<false>(p, g0, g1); }
 
-void q4k_groups_avx512(const Q4KProblem& p, int64_t g0, int64_t g1) { groups<Form::kQ4K>(p, g0, g1); }
+void q4_groups_avx512(const Q4Problem& p, int64_t g0, int64_t g1) { groups<true>(p, g0, g1); }
 
 }  // namespace tern

@@ -18,6 +18,7 @@ struct QuantizedRows {
   float* scales;
   int32_t* sums;
   float* sum_scales;  // scales[i] * sums[i] (the int4 minimum's factor): computed once, not once per weight group
+  int32_t* sums32 = nullptr;  // where given (q4k's blocks of 256): the sum of each 32 values' int8s, per (row, 32)
 };
 
 // Rows [m0, m1) of x [M, K] (float32, or bfloat16 bits when bf16) into q: q = round_half_even(x * 127 / absmax).
@@ -54,9 +55,12 @@ void q4_groups_avx512(const Q4Problem& p, int64_t g0, int64_t g1);
 // 256 values. Per group of 8 rows and super-block, 1152 bytes: the 8 rows' fp16 d, their fp16 dmin, a uint32 per
 // row holding the top 2 bits of s_j (bits 2j, 2j + 1) and of m_j (bits 16 + 2j, 17 + 2j), 64 bytes of
 // (s_j & 15) | (m_j & 15) << 4 (byte 8j + row), then the 8 sub-blocks' 128 bytes of nibbles in int4's order
-// (engine/kernels/layouts.py: pack_q4k). The arithmetic is int4's with d = d * s_j and m = -(dmin * m_j), both
-// exact float32 products (an 11-bit mantissa times a 6-bit integer): the file's values, where int4 rounds them to
-// fp16.
+// (engine/kernels/layouts.py: pack_q4k): the file's values, where int4 rounds d * s_j and dmin * m_j to fp16.
+// The arithmetic is llama.cpp's Q4_K x Q8_K: activations come in blocks of 256 (one scale x_scale) with the sum of
+// each 32 of their int8s (sums32); per super-block each row sums in integers isum = sum_j s_j * dot_j and
+// msum = sum_j m_j * sums32_j (exact: at most 31M and 2M), then acc += isum * (d * x_scale), then
+// acc += msum * (-dmin * x_scale): two float steps per 256 values where int4 takes two per 32, and no scale is
+// decoded into a float.
 using Q4KProblem = Int4Problem;
 constexpr int64_t kQ4KSuperCols = 256, kQ4KSuperBytes = 1152;
 void q4k_groups_avx2(const Q4KProblem& p, int64_t g0, int64_t g1);

@@ -39,8 +39,12 @@ at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
               "int4_mm: K must be a multiple of ", Cols, ", N of 8, and w_packed [N, K * ", GroupBytes, " / 256]");
   at::Tensor out = at::empty({M, N}, x.options());
   QuantizedScratch scratch;
-  int4_matmul(Groups, scratch, x.data_ptr(), x.scalar_type() == at::kBFloat16, M, K,
-              w_packed.data_ptr<uint8_t>(), N, out.data_ptr());
+  const bool x_bf16 = x.scalar_type() == at::kBFloat16;
+  if constexpr (Cols == kQ4KSuperCols) {
+    q4k_matmul(Groups, scratch, x.data_ptr(), x_bf16, M, K, w_packed.data_ptr<uint8_t>(), N, out.data_ptr());
+  } else {
+    int4_matmul(Groups, scratch, x.data_ptr(), x_bf16, M, K, w_packed.data_ptr<uint8_t>(), N, out.data_ptr());
+  }
   return out;
 }
 
