@@ -2,18 +2,17 @@
 it: a GGUF file (engine/gguf_file.GgufFile) or a Hugging Face safetensors folder (engine/safetensors_folder.py).
 
 Under `auto`, `int4` and `int8` on a CPU the source's tensors decide: a tensor held in one of Tern's layouts already
-(a GGUF's Q4_0 blocks as q4, Q4_K as q4k, Q4_1 as int4, Q8_0 as q8: engine/gguf_blocks.GGUF_TYPES) goes into it without
+(a GGUF's Q4_0 blocks as q4, Q4_1/Q4_K as int4, Q8_0 as q8: engine/gguf_blocks.GGUF_TYPES) goes into it without
 passing through float; the rest is read as float32 a few thousand rows at a time and quantized to q8 (int8 per 32 values,
 quant.quantize_q8). `auto` keeps each tensor's own width; `int8` makes everything q8 (4-bit blocks de-quantized
 first); `int4` also quantizes float tensors to 4-bit, as it does for any checkpoint. A fused projection (qkv,
-gate/up) keeps a layout only when every part has it (4-bit parts of different layouts all go into int4: q4 exactly,
-q4k with its scales rounded to fp16). Any other mode gets float weights here, one tensor at a time,
+gate/up) keeps a layout only when every part has it (q4 parts beside int4 ones go into int4, exactly). Any other mode gets float weights here, one tensor at a time,
 and quant.quantize runs after, as for any checkpoint. Either way no whole-model float copy exists: peak memory is
 the served weights plus about one tensor in float32.
 
 A source answers: path, reading() (a context the whole load runs in), names(), `in`, shape(name), type_name(name),
-layout(name) ("int4", "q4", "q4k", "q8" or None), packed(name, heads, repack, out, layout) (the tensor in that
-layout's bytes, or in int4's for a q4 or q4k tensor), q8(name, heads, repack) (the matrix in q8's, re-quantized where the type's
+layout(name) ("int4", "q4", "q8" or None), packed(name, heads, repack, out, layout) (the tensor in that layout's
+bytes, or in int4's for a q4 tensor), q8(name, heads, repack) (the matrix in q8's, re-quantized where the type's
 levels are not int8's), float(name, heads) and float_rows(name, heads); `repack` is the kernel
 library's GGUF repacking (CpuKernels.gguf_repack, None without it) and `heads`
 names how many heads a q or k matrix holds, for sources whose rows are stored in another order (llama.cpp's
@@ -31,8 +30,7 @@ from engine import quant
 from engine.errors import ModelLoadError
 from engine.kernels import layouts
 from engine.layers import (
-    Int4Embedding, Int4Linear, Int8Embedding, Int8Linear, Q4Embedding, Q4KEmbedding, Q4KLinear, Q4Linear,
-    Q8Embedding, Q8Linear,
+    Int4Embedding, Int4Linear, Int8Embedding, Int8Linear, Q4Embedding, Q4Linear, Q8Embedding, Q8Linear,
 )
 from engine.models import NATIVE_MODELS
 
@@ -71,7 +69,7 @@ def build_model(source, hf_config, mode: str, dtype: torch.dtype, device: torch.
 
 def served_mode(model: nn.Module) -> str:
     """The quant.MODES entry a model built here runs as: int4 when any layer is 4-bit (the rest is int8), else int8."""
-    return "int4" if any(isinstance(m, (Int4Linear, Q4Linear, Q4KLinear)) for m in model.modules()) else "int8"
+    return "int4" if any(isinstance(m, (Int4Linear, Q4Linear)) for m in model.modules()) else "int8"
 
 
 class _LayerBuilder:
@@ -167,10 +165,7 @@ class _LayerBuilder:
         cols = self.source.shape(names[0])[1]
         if self.mode in ("auto", "int4") and all(self._held_as(n, "q4") for n in names):
             return Q4Linear(self._stacked(names, cols * 9 // 16, self._packed), bias)
-        if self.mode in ("auto", "int4") and all(self._held_as(n, "q4k") for n in names):
-            return Q4KLinear(self._stacked(names, cols * 9 // 16, self._packed), bias)
-        four_bit = ("int4", "q4", "q4k")
-        if self.mode in ("auto", "int4") and all(any(self._held_as(n, f) for f in four_bit) for n in names):
+        if self.mode in ("auto", "int4") and all(self._held_as(n, "int4") or self._held_as(n, "q4") for n in names):
             return Int4Linear(self._stacked(names, cols * 5 // 8, self._as_int4), bias)
         if self.mode == "int4" and int4_from_float and all(self._fits(n) for n in names):
             for type_name in types:
@@ -213,11 +208,6 @@ class _LayerBuilder:
             model.model.embed_tokens = Q4Embedding(packed)
             if tied:
                 model.lm_head = Q4Linear(packed, None)
-        elif self._held_as(embedding_name, "q4k") and self.mode in ("auto", "int4"):
-            packed = self._packed(embedding_name)
-            model.model.embed_tokens = Q4KEmbedding(packed)
-            if tied:
-                model.lm_head = Q4KLinear(packed, None)
         elif self._fits(embedding_name):
             packed = self._q8(embedding_name)
             model.model.embed_tokens = Q8Embedding(packed)
