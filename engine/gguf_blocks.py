@@ -7,9 +7,13 @@ package's reference de-quantizers read them; the tests hold every repacking to t
 - `q4` (layouts.pack_q4: per 32 values of a row, w = d * (q - 8) with fp16 d): Q4_0, exact, in the file's own
   18 bytes per 32 values. Where a fused projection joins it to int4 parts, Q4_0 goes into int4 instead (`int4`
   below: m = -8 d, exact).
+- `q4k` (layouts.pack_q4k: per super-block of 256 values of a row fp16 d and dmin, per 32 a 6-bit scale and
+  minimum): Q4_K, exact, in the file's own 144 bytes per 256 values, where the kernel path has a q4k kernel
+  (AVX512); its kernels multiply as llama.cpp's Q4_K x Q8_K does (activations in blocks of 256, the scales and
+  minimums applied in integers). Elsewhere Q4_K goes into int4 (below).
 - `int4` (Tern's 4-bit layout, layouts.pack_int4: per 32 values of a row, w = d * q + m with fp16 d and m):
-  Q4_1 (exact), Q4_K (per sub-block of 32, d = super_d * scale and m = -super_dmin * min, both products rounded
-  to fp16: the file computes them in fp32).
+  Q4_1 (exact); Q4_K where no q4k kernel serves it, or where a fused projection joins it to Q4_0 or Q4_1 parts:
+  per sub-block of 32 as d = super_d * scale and m = -super_dmin * min, both products rounded to fp16.
 - `q8` (Tern's 8-bit layout, layouts.pack_q8: per 32 values of a row, w = d * q with q int8 and fp16 d): Q8_0,
   exact (the same block, its bytes reordered); Q5_0, exact (w = d * (q - 16): q - 16 is an int8 level under the
   file's own d). Q4_0 goes into q8 exactly the same way where a fused projection joins it to q8 parts.
@@ -36,7 +40,7 @@ Q8Parts = tuple[torch.Tensor, torch.Tensor]  # q int8 [N, K], d fp16 [N, K/32]
 
 @dataclass(frozen=True)
 class GgufType:
-    layout: str  # "int4", "q4", "q8" or "dequantize"
+    layout: str  # "int4", "q4", "q4k", "q8" or "dequantize"
     repack: Callable[[torch.Tensor], torch.Tensor] | None = None  # uint8 [rows, bytes per row] -> the layout's bytes
     plain: Callable[[torch.Tensor], tuple] | None = None  # the same as the layout's parts: the twin tests hold it to
     int4: Callable[[torch.Tensor], torch.Tensor] | None = None  # a q4 type's blocks into int4 (a fused layer's parts)
@@ -120,6 +124,24 @@ def q4_k_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sc = torch.cat([first & 0x3F, (last & 0x0F) | ((first >> 2) & 0x30)], dim=-1)
     mn = torch.cat([second & 0x3F, (last >> 4) | ((second >> 2) & 0x30)], dim=-1)
     return sc, mn
+
+
+def q4_k_to_q4k(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q4_K: 144 bytes per 256 values: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and minimums, 128 bytes of
+    nibbles (each 32 bytes hold sub-block 2c in the low nibbles and 2c+1 in the high ones); per sub-block j of 32,
+    w = (d * scale_j) * q - (dmin * min_j): Tern's q4k as it is, (q [N, K], scale and min uint8 [N, K/32], d and
+    dmin fp16 [N, K/256])."""
+    b = _split(blocks, 144)
+    rows = blocks.shape[0]
+    sc, mn = q4_k_scales_mins(b[..., 4:16])
+    qs = b[..., 16:144].reshape(*b.shape[:2], 4, 32)
+    q = torch.stack([qs & 0x0F, qs >> 4], dim=3)  # [rows, super-blocks, chunk, low/high, 32]: sub-block 2c + h
+    return (q.reshape(rows, -1), sc.to(torch.uint8).reshape(rows, -1), mn.to(torch.uint8).reshape(rows, -1),
+            _fp16(b[..., 0:2]), _fp16(b[..., 2:4]))
+
+
+def q4_k_packed_q4k(blocks: torch.Tensor) -> torch.Tensor:
+    return layouts.pack_q4k(*q4_k_to_q4k(blocks))
 
 
 def q4_k_to_int4(blocks: torch.Tensor) -> Int4Parts:
@@ -229,7 +251,7 @@ GGUF_TYPES: dict[T, GgufType] = {
     T.BF16: GgufType("dequantize"),
     T.Q4_0: GgufType("q4", q4_0_packed_q4, q4_0_to_q4, int4=q4_0_packed, q8=q4_0_packed_q8),
     T.Q4_1: GgufType("int4", q4_1_packed, q4_1_to_int4),
-    T.Q4_K: GgufType("int4", q4_k_packed, q4_k_to_int4),
+    T.Q4_K: GgufType("q4k", q4_k_packed_q4k, q4_k_to_q4k, int4=q4_k_packed),
     T.Q5_0: GgufType("q8", q5_0_packed, q5_0_to_q8),
     T.Q5_1: GgufType("dequantize"),
     T.Q8_0: GgufType("q8", q8_0_packed, q8_0_to_q8),

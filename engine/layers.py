@@ -113,6 +113,19 @@ class PackedQ4Linear(_KernelForward, Q4Linear):
     """Q4Linear multiplied by Tern's q4 kernel (activations quantized per 32 values: llama.cpp's Q4_0 x Q8_0)."""
 
 
+class Q4KLinear(_BlockLinear):
+    """4-bit weights in GGUF's Q4_K form, (d * scale) * q - dmin * min with a 6-bit scale and minimum per 32 values
+    and fp16 d and dmin per 256, held in layouts.pack_q4k's layout: a Q4_K file's own bytes and values."""
+
+    PACKED_BYTES = (9, 16)
+    dequantize = staticmethod(layouts.dequantize_q4k)
+
+
+class PackedQ4KLinear(_KernelForward, Q4KLinear):
+    """Q4KLinear multiplied by Tern's q4k kernel (llama.cpp's Q4_K x Q8_K: activations quantized per 256 values, each
+    super-block's scales and minimums applied in integers)."""
+
+
 class Q8Linear(_BlockLinear):
     """int8 weights with one fp16 scale per 32 values of a row, w = d * q (GGUF's Q8_0), held in layouts.pack_q8's
     layout."""
@@ -154,6 +167,11 @@ class Int4Embedding(_BlockEmbedding):
 class Q4Embedding(_BlockEmbedding):
     PACKED_BYTES = Q4Linear.PACKED_BYTES
     rows = staticmethod(layouts.q4_rows)
+
+
+class Q4KEmbedding(_BlockEmbedding):
+    PACKED_BYTES = Q4KLinear.PACKED_BYTES
+    rows = staticmethod(layouts.q4k_rows)
 
 
 class Q8Embedding(_BlockEmbedding):

@@ -41,8 +41,10 @@ from engine.layers import (
     PackedBf16Embedding,
     PackedBf16Linear,
     PackedInt4Linear,
+    PackedQ4KLinear,
     PackedQ4Linear,
     PackedQ8Linear,
+    Q4KLinear,
     Q4Linear,
     Q8Embedding,
     Q8Linear,
@@ -184,8 +186,8 @@ def quantize(model: nn.Module, mode: str, device: torch.device, dtype: torch.dty
 
 
 def pack_for_cpu(model: nn.Module, kernels: CpuKernels) -> None:
-    """Swap every plain q8 / int4 / q4 layer (and, where the CPU has AVX512-BF16, every bf16 nn.Linear) whose shape
-    fits for its packed twin holding `kernels`' operator; without a kernel, int4 and q4 layers go to aten's int4pack
+    """Swap every plain q8 / int4 / q4 / q4k layer (and, where the CPU has AVX512-BF16, every bf16 nn.Linear) whose shape
+    fits for its packed twin holding `kernels`' operator; without a kernel, 4-bit layers go to aten's int4pack
     and q8 ones to per-row int8 for aten's int8pack.
     Tied layers keep sharing one matrix. Logs how many matrices each kernel serves."""
     counts: dict[str, int] = {}
@@ -207,6 +209,13 @@ def pack_for_cpu(model: nn.Module, kernels: CpuKernels) -> None:
         elif type(child) is Q4Linear and child.weight_packed.device.type == "cpu":
             new = (PackedQ4Linear(child.weight_packed, child.bias, kernels.q4_mm) if kernels.q4_mm
                    else AtenInt4Linear(layouts.q4_as_int4(child.weight_packed), child.bias))
+        elif type(child) is Q4KLinear and child.weight_packed.device.type == "cpu":
+            if kernels.q4k_mm:
+                new = PackedQ4KLinear(child.weight_packed, child.bias, kernels.q4k_mm)
+            else:  # the int4 kernel or aten's int4pack, its scales rounded to fp16 (a GGUF load puts Q4_K in int4 here)
+                as_int4 = layouts.q4k_as_int4(child.weight_packed)
+                new = (PackedInt4Linear(as_int4, child.bias, kernels.int4_mm) if kernels.int4_mm
+                       else AtenInt4Linear(as_int4, child.bias))
         elif (type(child) is nn.Linear and kernels.bf16_mm and child.weight.dtype == torch.bfloat16
               and layouts.can_pack_bf16(child.weight)):
             key = child.weight.data_ptr()

@@ -7,6 +7,11 @@ Kernels read weights in the order they use them, so a thread streams one sequent
 - q4 (GGUF's Q4_0: w = d * (q - 8), one fp16 d per 32 values of a row): int4's groups without the minimums,
   144 bytes: the same 128 bytes of nibbles, then the 8 rows' fp16 d. Shape uint8 [N, K * 9 / 16]: a Q4_0 file's
   own 18 bytes per 32 values.
+- q4k (GGUF's Q4_K: per super-block of 256 values of a row an fp16 d and dmin, per sub-block j of 32 a 6-bit
+  scale s_j and minimum m_j; w = (d * s_j) * q - dmin * m_j): per group of 8 rows and super-block, 1152 bytes:
+  the 8 rows' fp16 d, their fp16 dmin, a uint32 per row with the top 2 bits of s_j at bits 2j and of m_j at
+  16 + 2j, 64 bytes (s_j & 15) | (m_j & 15) << 4 at byte 8j + row, then the 8 sub-blocks' 128 bytes of nibbles as
+  int4 lays them out. Shape uint8 [N, K * 9 / 16]: a Q4_K file's own 144 bytes per 256 values.
 - q8 (GGUF's Q8_0: w = d * q, q int8, one fp16 d per 32 values of a row): per group of 8 rows and 32 columns,
   272 bytes: 256 bytes of q + 128 (register j of 32 bytes holds, for each row r at bytes 4r..4r+3, columns
   4j..4j+3), then the 8 rows' fp16 scales d. Shape uint8 [N, K * 17 / 16].
@@ -62,13 +67,99 @@ def q4_as_int4(packed: torch.Tensor) -> torch.Tensor:
     return pack_int4(q, d, -8 * d)
 
 
-def _pack_nibbles(q: torch.Tensor, *scales: torch.Tensor) -> torch.Tensor:
-    """Per group of 8 rows and 32 columns: 128 bytes of nibbles, then 16 bytes per fp16 scale of `scales`."""
+Q4K_SUPER_COLS, Q4K_SUPER_BYTES = 256, 1152
+
+
+def pack_q4k(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, d: torch.Tensor,
+             dmin: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] in 0..15, scale and minimum [N, K/32] in 0..63, d and dmin fp16 [N, K/256]
+    (w = (d * scale) * q - dmin * minimum) -> uint8 [N, K * 9 / 16]."""
+    rows, cols = q.shape
+    groups, supers = rows // INT4_GROUP_ROWS, cols // Q4K_SUPER_COLS
+    nibbles = _nibble_bytes(q).reshape(groups, supers, 8 * 128)
+    sc = scale.to(torch.int32).reshape(groups, INT4_GROUP_ROWS, supers, 8)  # [group, row, super, j]
+    mn = minimum.to(torch.int32).reshape(groups, INT4_GROUP_ROWS, supers, 8)
+    shifts = 2 * torch.arange(8, dtype=torch.int32)
+    top = (((sc >> 4) << shifts) | ((mn >> 4) << (16 + shifts))).sum(-1, dtype=torch.int32)  # bits do not overlap
+    top = top.transpose(1, 2).contiguous().view(torch.uint8)  # [group, super, 32]
+    low = ((sc & 15) | ((mn & 15) << 4)).to(torch.uint8).permute(0, 2, 3, 1).reshape(groups, supers, 64)
+
+    def per_row(s: torch.Tensor) -> torch.Tensor:  # fp16 [N, supers] -> [group, super, 16 bytes]
+        return s.to(torch.float16).reshape(groups, INT4_GROUP_ROWS, supers).transpose(1, 2).contiguous().view(torch.uint8)
+
+    return torch.cat([per_row(d), per_row(dmin), top, low, nibbles], dim=-1).reshape(rows, cols * 9 // 16)
+
+
+def unpack_q4k(packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The inverse of `pack_q4k`: (q uint8 [N, K], scale and minimum uint8 [N, K/32], d and dmin fp16 [N, K/256])."""
+    rows, cols = packed.shape[0], packed.shape[1] * 16 // 9
+    groups, supers = rows // INT4_GROUP_ROWS, cols // Q4K_SUPER_COLS
+    data = packed.reshape(groups, supers, Q4K_SUPER_BYTES)
+
+    def per_row(offset: int) -> torch.Tensor:
+        return data[..., offset:offset + 16].contiguous().view(torch.float16).transpose(1, 2).reshape(rows, supers)
+
+    top = data[..., 32:64].contiguous().view(torch.int32).transpose(1, 2)  # [group, row, super]
+    shifts = 2 * torch.arange(8, dtype=torch.int32)
+    top_scale, top_min = (top.unsqueeze(-1) >> shifts) & 3, (top.unsqueeze(-1) >> (16 + shifts)) & 3
+    low = data[..., 64:128].reshape(groups, supers, 8, INT4_GROUP_ROWS).permute(0, 3, 1, 2).to(torch.int32)
+    scale = ((low & 15) | (top_scale << 4)).to(torch.uint8).reshape(rows, -1)
+    minimum = ((low >> 4) | (top_min << 4)).to(torch.uint8).reshape(rows, -1)
+    q = _nibble_values(data[..., 128:].reshape(groups, supers * 8, 128), rows, cols)
+    return q, scale, minimum, per_row(0), per_row(16)
+
+
+def q4k_scales(scale: torch.Tensor, minimum: torch.Tensor, d: torch.Tensor,
+               dmin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each block of 32's float32 d * scale and -(dmin * minimum), [N, K/32]: exact products, as the kernels and
+    gguf's de-quantizer compute them."""
+    per_block = lambda s: s.float().repeat_interleave(Q4K_SUPER_COLS // INT4_GROUP_COLS, dim=1)  # noqa: E731
+    return per_block(d) * scale.float(), -(per_block(dmin) * minimum.float())
+
+
+def dequantize_q4k(packed: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K]: (d * scale) * q - dmin * minimum, the weight a q4k matrix stands for (gguf's values)."""
+    q, *parts = unpack_q4k(packed)
+    d, m = q4k_scales(*parts)
+    rows, cols = q.shape
+    return (q.float().reshape(rows, -1, INT4_GROUP_COLS) * d.unsqueeze(-1) + m.unsqueeze(-1)).reshape(rows, cols)
+
+
+def q4k_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a `pack_q4k` matrix de-quantized to float32 [*ids.shape, K] (a Q4_K embedding's lookup)."""
+    return _block_rows(packed, ids, dequantize_q4k)
+
+
+def q4k_as_int4(packed: torch.Tensor) -> torch.Tensor:
+    """A q4k matrix in int4's layout (for aten's int4pack where no kernel serves): d and m rounded to fp16."""
+    q, *parts = unpack_q4k(packed)
+    d, m = q4k_scales(*parts)
+    return pack_int4(q, d.to(torch.float16), m.to(torch.float16))
+
+
+def _nibble_bytes(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] in 0..15 -> per group of 8 rows and block of 32 columns its 128 bytes of nibbles,
+    [groups, blocks, 128]: register j's 32 bytes hold, for row r at 4r..4r+3, columns 8j..8j+3 low, 8j+4..8j+7 high."""
     rows, cols = q.shape
     groups, blocks = rows // INT4_GROUP_ROWS, cols // INT4_GROUP_COLS
     # [group, row, block, register j, low/high, t] -> bytes [group, block, j, row, t]
     q = q.to(torch.uint8).reshape(groups, INT4_GROUP_ROWS, blocks, 4, 2, 4)
-    nibbles = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 128)
+    return (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 128)
+
+
+def _nibble_values(nibbles: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The inverse of `_nibble_bytes`: [groups, blocks, 128] -> q uint8 [rows, cols]."""
+    groups, blocks = nibbles.shape[:2]
+    data = nibbles.reshape(groups, blocks, 4, INT4_GROUP_ROWS, 4)  # [group, block, j, row, t]
+    q = torch.stack([data & 0x0F, data >> 4], dim=3)  # [group, block, j, low/high, row, t]
+    return q.permute(0, 4, 1, 2, 3, 5).reshape(rows, cols)
+
+
+def _pack_nibbles(q: torch.Tensor, *scales: torch.Tensor) -> torch.Tensor:
+    """Per group of 8 rows and 32 columns: 128 bytes of nibbles, then 16 bytes per fp16 scale of `scales`."""
+    rows, cols = q.shape
+    groups, blocks = rows // INT4_GROUP_ROWS, cols // INT4_GROUP_COLS
+    nibbles = _nibble_bytes(q)
     parts = [s.to(torch.float16).reshape(groups, INT4_GROUP_ROWS, blocks).transpose(1, 2).contiguous()
              .view(torch.uint8) for s in scales]  # [group, block, 16 bytes]
     group_bytes = 128 + 16 * len(scales)
@@ -80,9 +171,7 @@ def _unpack_nibbles(packed: torch.Tensor, num_scales: int) -> tuple[torch.Tensor
     rows, cols = packed.shape[0], packed.shape[1] * 256 // group_bytes
     groups, blocks = rows // INT4_GROUP_ROWS, cols // INT4_GROUP_COLS
     data = packed.reshape(groups, blocks, group_bytes)
-    nibbles = data[..., :128].reshape(groups, blocks, 4, INT4_GROUP_ROWS, 4)  # [group, block, j, row, t]
-    q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3)  # [group, block, j, low/high, row, t]
-    q = q.permute(0, 4, 1, 2, 3, 5).reshape(rows, cols)
+    q = _nibble_values(data[..., :128], rows, cols)
 
     def scales(offset: int) -> torch.Tensor:
         raw = data[..., offset:offset + 16].contiguous().view(torch.float16)  # [group, block, row]

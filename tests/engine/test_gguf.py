@@ -18,9 +18,11 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, quants
 from conftest import require_op
 
 from engine import Engine, EngineConfig, ModelLoadError, SamplingParams
+from engine import gguf_blocks
 from engine.gguf_blocks import GGUF_TYPES
 from engine.kernels import GGUF_REPACK_LAYOUTS, layouts
-from engine.layers import Int4Embedding, Int4Linear, Q4Embedding, Q4Linear, Q8Embedding, Q8Linear
+from engine.layers import (Int4Embedding, Int4Linear, Q4Embedding, Q4KEmbedding, Q4KLinear, Q4Linear, Q8Embedding,
+                           Q8Linear)
 from engine.loader import default_gguf_path
 
 BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q4_K: (256, 144), T.Q5_0: (32, 22), T.Q6_K: (256, 210),
@@ -70,23 +72,34 @@ def test_q8_0_repacks_into_q8_bit_for_bit():
     assert torch.equal(layouts.dequantize_q8(packed), torch.from_numpy(quants.dequantize(raw.numpy(), T.Q8_0)))
 
 
+def test_q4_k_is_served_in_q4k_its_own_bytes_bit_for_bit():
+    """Q4_K's per-sub-block scale (super-block d x 6-bit scale) and minimum are fp32 products in the file, and q4k
+    keeps the factors: the values are gguf's, bit for bit, in the file's 144 bytes per 256 values."""
+    raw = torch.from_numpy(random_blocks(T.Q4_K, 24, 512))
+    assert GGUF_TYPES[T.Q4_K].layout == "q4k"
+    packed = GGUF_TYPES[T.Q4_K].repack(raw)
+    assert packed.numel() == raw.numel()
+    assert torch.equal(layouts.dequantize_q4k(packed), torch.from_numpy(quants.dequantize(raw.numpy(), T.Q4_K)))
+
+
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1, T.Q4_K])
-def test_the_fast_repacking_gives_the_bytes_of_its_plain_twin(ggml_type):
-    """The table's repacking works on 32-bit words of nibbles; its twin decodes one value per byte and packs them
-    with layouts.pack_int4, the function the kernels' layout is defined by."""
+def test_the_fast_int4_repacking_gives_the_bytes_of_its_plain_twin(ggml_type):
+    """The int4 repacking works on 32-bit words of nibbles; its twin decodes one value per byte and packs them
+    with layouts.pack_int4, the function the kernels' layout is defined by. (Q4_0 is served in q4 and Q4_K in q4k,
+    and go into int4 beside other 4-bit parts of a fused layer.)"""
     raw = torch.from_numpy(random_blocks(ggml_type, 40, 1024, seed=3))
     kind = GGUF_TYPES[ggml_type]
-    pack = layouts.pack_q4 if kind.layout == "q4" else layouts.pack_int4
-    assert torch.equal(kind.repack(raw), pack(*kind.plain(raw)))
-    if kind.int4 is not None:  # Q4_0 into int4 (beside int4 parts of a fused layer): m = -8 d
-        assert torch.equal(kind.int4(raw), layouts.q4_as_int4(kind.repack(raw)))
+    plain = {T.Q4_0: gguf_blocks.q4_0_to_int4, T.Q4_1: gguf_blocks.q4_1_to_int4, T.Q4_K: gguf_blocks.q4_k_to_int4}
+    assert torch.equal(kind.repack_into("int4")(raw), layouts.pack_int4(*plain[ggml_type](raw)))
+    if ggml_type == T.Q4_0:  # m = -8 d, the same weight as its q4
+        assert torch.equal(kind.repack_into("int4")(raw), layouts.q4_as_int4(kind.repack(raw)))
 
 
 def test_q4_k_repacks_into_int4_within_the_rounding_of_its_scales_to_fp16():
-    """Q4_K's per-sub-block scale (super-block d x 6-bit scale) and minimum are fp32 products in the file; Tern's
-    int4 stores them in fp16. Its values are the file's quants times those products rounded to fp16, exactly."""
+    """Beside Q4_0 or Q4_1 parts of a fused layer Q4_K goes into int4, which stores its fp32 scale and minimum
+    products in fp16. Its values are the file's quants times those products rounded to fp16, exactly."""
     raw = random_blocks(T.Q4_K, 24, 512)
-    ours = layouts.dequantize_int4(GGUF_TYPES[T.Q4_K].repack(torch.from_numpy(raw)))
+    ours = layouts.dequantize_int4(GGUF_TYPES[T.Q4_K].repack_into("int4")(torch.from_numpy(raw)))
     reference = torch.from_numpy(quants.dequantize(raw, T.Q4_K))
     # Per block of 32 the file's w = s * q - m; with s and m rounded to fp16 the error is at most q * |ds| + |dm|.
     blocks = raw.reshape(24, 2, 144)
@@ -204,9 +217,9 @@ def test_the_kernel_librarys_repacking_gives_its_plain_twins_bytes(ggml_type, pa
     rows, cols = 40, 1024
     raw = torch.from_numpy(blocks_of(ggml_type, rows, cols, seed=5).copy())
     kind = GGUF_TYPES[ggml_type]
-    if kind.layout in ("int4", "q4"):
+    if kind.layout in ("int4", "q4", "q4k"):
         assert torch.equal(repack(raw, int(ggml_type), cols, GGUF_REPACK_LAYOUTS[kind.layout]), kind.repack(raw))
-    if kind.layout == "q4":  # Q4_0 also into int4, beside int4 parts of a fused layer
+    if kind.layout in ("q4", "q4k"):  # Q4_0 and Q4_K also into int4, beside int4 parts of a fused layer
         assert torch.equal(repack(raw, int(ggml_type), cols, GGUF_REPACK_LAYOUTS["int4"]), kind.repack_into("int4")(raw))
     if kind.holds("q8"):  # Q8_0 its own blocks, Q5_0 and Q4_0 their levels
         assert torch.equal(repack(raw, int(ggml_type), cols, GGUF_REPACK_LAYOUTS["q8"]), kind.repack_into("q8")(raw))
@@ -229,6 +242,7 @@ FILES = {
     "Q5_0 with Q4_0 q and gate": (every(T.Q5_0, q=T.Q4_0, gate=T.Q4_0), True),
     "Q4_1+Q8_0 embedding": (every(T.Q4_1, embd=T.Q8_0), True),
     "Q4_K_M-like, untied": (Q4_K_M, False),
+    "Q4_K with Q4_1 k and Q4_0 up": (every(T.Q4_K, k=T.Q4_1, up=T.Q4_0), True),
     "F32": (every(T.F32), False),
 }
 
@@ -247,8 +261,8 @@ def transformers_model(path: Path):
 
 def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path):
     """4-bit tensors are built 4-bit and Q8_0 and Q5_0 ones q8, with the values transformers de-quantizes from the
-    file (exact for Q4_0/Q4_1/Q5_0/Q8_0, and for Q4_0 parts joined to q8 ones; within fp16 rounding of the scales
-    for Q4_K); the rest (Q6_K, F32) q8 within half a step of its scales; q and k rows in transformers' order. (The layers as built, before packing for a kernel
+    file (exact for Q4_0/Q4_1/Q4_K/Q5_0/Q8_0, and for Q4_0 parts joined to q8 ones; within fp16 rounding of the
+    scales for Q4_K parts joined to other 4-bit types in int4); the rest (Q6_K, F32) q8 within half a step of its scales; q and k rows in transformers' order. (The layers as built, before packing for a kernel
     path: without kernels aten's int4pack re-packs them in its own way.)"""
     from transformers import AutoConfig
 
@@ -257,7 +271,7 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
     from engine.streamed_load import build_model
 
     hf_config = AutoConfig.from_pretrained(gguf_metadata(tiny_gguf, tmp_path))
-    model = build_model(GgufFile.open(tiny_gguf), hf_config, "auto", torch.float32, torch.device("cpu"))
+    model = build_model(GgufFile.open(tiny_gguf), hf_config, "auto", torch.float32, torch.device("cpu"), q4k=True)
     reference = transformers_model(tiny_gguf).state_dict()
     reader = GGUFReader(tiny_gguf)
     types = {t.name: t.tensor_type for t in reader.tensors}
@@ -269,8 +283,9 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
         ):
             kinds = {types[f"blk.{index}.{g}.weight"] for g in gguf_names}
             is_4bit = kinds <= {T.Q4_0, T.Q4_1, T.Q4_K}
-            # Q4_0 alone in its own q4 layout; beside other 4-bit parts, int4 (m = -8 d); else q8.
-            expected_type = Q4Linear if kinds == {T.Q4_0} else Int4Linear if is_4bit else Q8Linear
+            # Q4_0 alone in its own q4 layout, Q4_K in q4k; beside other 4-bit parts, int4; else q8.
+            expected_type = (Q4Linear if kinds == {T.Q4_0} else Q4KLinear if kinds == {T.Q4_K} else
+                             Int4Linear if is_4bit else Q8Linear)
             assert type(fused) is expected_type, (kinds, type(fused))
             section = "self_attn." if "q_proj" in parts else "mlp."
             expected = torch.cat([reference[prefix + section + p + ".weight"] for p in parts])
@@ -283,9 +298,10 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
                     error = (ours - expected).reshape(step.shape[0], -1, 32).abs()
                     assert (error <= 0.5 * step * (1 + 2.0**-10) + 1e-12).all()
             else:
-                dequantize = layouts.dequantize_q4 if expected_type is Q4Linear else layouts.dequantize_int4
+                dequantize = {Q4Linear: layouts.dequantize_q4, Q4KLinear: layouts.dequantize_q4k,
+                              Int4Linear: layouts.dequantize_int4}[expected_type]
                 ours = dequantize(fused.weight_packed)
-                if T.Q4_K in kinds:
+                if T.Q4_K in kinds and expected_type is Int4Linear:
                     # w = s * q - m with s and m rounded to fp16 (relative 2^-11 each): s * q and m are at
                     # most the largest |w| or so, whence the bound; near-cancelling w have no relative bound.
                     assert (ours - expected).abs().max() <= 2.0**-9 * expected.abs().max()
@@ -294,11 +310,11 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
                     assert torch.equal(ours, expected)
     embd_type = types["token_embd.weight"]
     is_4bit = embd_type in (T.Q4_0, T.Q4_1, T.Q4_K)
-    assert type(model.model.embed_tokens) is (Q4Embedding if embd_type == T.Q4_0 else Int4Embedding if is_4bit
-                                              else Q8Embedding)
+    assert type(model.model.embed_tokens) is {T.Q4_0: Q4Embedding, T.Q4_K: Q4KEmbedding}.get(
+        embd_type, Int4Embedding if is_4bit else Q8Embedding)
     ids = torch.tensor([0, 7, 1234, 49151])
     rows = model.model.embed_tokens(ids).float()
-    if embd_type in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0):  # the rest is re-quantized to q8 under auto
+    if embd_type in (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q8_0):  # the rest is re-quantized to q8 under auto
         assert torch.equal(rows, reference["model.embed_tokens.weight"][ids])
 
 
@@ -318,15 +334,18 @@ def test_a_gguf_answers_as_transformers_does_on_the_same_file(tiny_gguf, tmp_pat
         engine.stop()
 
 
-def test_a_4bit_gguf_takes_the_files_size_in_memory(tmp_path):
-    path = write_tiny_gguf(tmp_path / "q4_0.gguf", every(T.Q4_0))
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K], ids=lambda t: t.name)
+def test_a_4bit_gguf_takes_the_files_size_in_memory(tmp_path, ggml_type):
+    path = write_tiny_gguf(tmp_path / "model.gguf", every(ggml_type))
     engine = Engine(EngineConfig(model=str(path), quantization="auto", cache_dir=str(tmp_path / "cache"))).start()
     try:
         assert engine.loaded.quantization == "int4"
-        # Q4_0 is served in its own 18 bytes per 32 values (q4), and the norms as the file's float32. Without
+        # Q4_0 is served in its own 18 bytes per 32 values (q4), Q4_K in its 144 per 256 (q4k), and the norms as
+        # the file's float32. Without
         # Tern's kernels (TERN_CPU_KERNELS=off) aten's int4pack holds its own copies of the 4-bit layers.
         tensor_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
-        if engine.loaded.kernels.path != "off":
+        kernels = engine.loaded.kernels
+        if kernels.path != "off" and (ggml_type != T.Q4_K or kernels.q4k_mm is not None):  # else Q4_K is int4
             assert engine.loaded.weight_bytes == tensor_bytes
         [completion] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         assert len(completion.choices[0].token_ids) == 4

@@ -1,5 +1,6 @@
-// GGUF blocks into Tern's layouts at load time (kernels.h: gguf_int4_groups, gguf_q4_groups, gguf_q8_groups): the C++
-// twins of engine/gguf_blocks.py's torch repacking (int4: Q4_0, Q4_1, Q4_K; q4: Q4_0) and of gguf's numpy de-quantizer followed by
+// GGUF blocks into Tern's layouts at load time (kernels.h: gguf_int4_groups, gguf_q4_groups, gguf_q4k_groups,
+// gguf_q8_groups): the C++ twins of engine/gguf_blocks.py's torch repacking (int4: Q4_0, Q4_1, Q4_K; q4: Q4_0; q4k:
+// Q4_K) and of gguf's numpy de-quantizer followed by
 // quant.quantize_q8 (q8: Q8_0 as it is, Q4_0 and Q5_0 levels as they are; Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, F16, BF16,
 // F32 re-quantized per 32 values).
 // Bit for bit the same bytes: the float steps are numpy's and torch's, in their order, with no fused multiply-add
@@ -241,6 +242,8 @@ bool gguf_has_int4(int type) { return type == kQ4_0 || type == kQ4_1 || type == 
 
 bool gguf_has_q4(int type) { return type == kQ4_0; }
 
+bool gguf_has_q4k(int type) { return type == kQ4_K; }
+
 namespace {
 
 // Row r's 4 words of a block into registers j = 0..3 of its group (layouts.pack_int4; kQ4: layouts.pack_q4, the
@@ -259,6 +262,35 @@ void int4_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
         for (int j = 0; j < 4; ++j) std::memcpy(out + 32 * j + 4 * r, &words[j], 4);
         std::memcpy(out + 128 + 2 * r, &d, 2);
         if constexpr (!kQ4) std::memcpy(out + 144 + 2 * r, &m, 2);
+      }
+    }
+  }
+}
+
+// Q4_K super-blocks as they are (layouts.pack_q4k): per group of 8 rows and super-block, the rows' d and dmin, the
+// top 2 bits of their scales and minimums, the low 4 bits of each, then each sub-block's nibbles in int4's order.
+void q4k_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
+  const int64_t stride = row_bytes(kQ4_K, p.cols), supers = p.cols / kQ4KSuperCols;
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t s = 0; s < supers; ++s) {
+      uint8_t* out = p.out + (g * supers + s) * kQ4KSuperBytes;
+      for (int r = 0; r < kInt4GroupRows; ++r) {
+        const uint8_t* row = p.raw + (g * kInt4GroupRows + r) * stride;
+        const uint8_t* super = row + s * 144;
+        std::memcpy(out + 2 * r, super, 2);
+        std::memcpy(out + 16 + 2 * r, super + 2, 2);
+        uint32_t top = 0;
+        for (int j = 0; j < 8; ++j) {
+          int scale, minimum;
+          k_scale_min(super + 4, j, scale, minimum);
+          top |= static_cast<uint32_t>(scale >> 4) << (2 * j) | static_cast<uint32_t>(minimum >> 4) << (16 + 2 * j);
+          out[64 + 8 * j + r] = static_cast<uint8_t>((scale & 0x0F) | ((minimum & 0x0F) << 4));
+          uint32_t words[4];
+          uint16_t d, m;
+          int4_block<kQ4_K>(row, s * 8 + j, words, d, m);
+          for (int w = 0; w < 4; ++w) std::memcpy(out + 128 + 128 * j + 32 * w + 4 * r, &words[w], 4);
+        }
+        std::memcpy(out + 32 + 4 * r, &top, 4);
       }
     }
   }
@@ -309,6 +341,10 @@ void gguf_int4_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
 
 void gguf_q4_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
   if (p.type == kQ4_0) int4_groups<kQ4_0, true>(p, g0, g1);
+}
+
+void gguf_q4k_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
+  if (p.type == kQ4_K) q4k_groups(p, g0, g1);
 }
 
 void gguf_q8_groups(const GgufRepack& p, int64_t g0, int64_t g1) {

@@ -12,6 +12,7 @@
 //
 // The q4 layout (kernels.h: q4_groups_avx2, GGUF's Q4_0) is the same loop without minimums: 144 bytes a group, and
 // per group dot = sum(q * xq) - 8 * sum(xq), exact, then one float step, q8's (acc += dot * (d * x_scale)).
+// The q4k layout (GGUF's Q4_K) has a loop of its own below: the same dots, summed per super-block in integers.
 #include "avx2.h"
 #include "kernels.h"
 
@@ -139,7 +140,103 @@ void groups(const Int4Problem& p, int64_t g0, int64_t g1) {
   }
 }
 
+// q4k (kernels.h: llama.cpp's Q4_K x Q8_K): out[m, rows n0..n0+7] for MB activation rows against one group. Per
+// super-block two passes, as the AVX512 kernel: the dots (vpmaddubsw pairs summed in int16, then vpmaddwd), each
+// row's isum += s_j * dot_j in integers and one float step; then the minimums as vpmaddwd over int16 pairs and the
+// second float step. The results wait in memory during the dots, which leaves registers for 4 rows a tile.
+constexpr int kQ4KTileRows = 4;
+
+template <int MB>
+inline void q4k_group_rows(const Q4KProblem& p, int64_t m0, const uint8_t* w, int64_t n0, const uint8_t* prefetch) {
+  const QuantizedRows& q = *p.x;  // blocks of 256: q.blocks super-blocks, q.sums32 (int16) per 32 values
+  const int64_t per_row = q.K / kInt4GroupCols;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i fifteen = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3);
+  alignas(32) float result[MB][8] = {};
+  for (int64_t s = 0; s < q.blocks; ++s) {
+    const uint8_t* super = w + s * kQ4KSuperBytes;
+    if (prefetch)  // the next group's super-block, in step
+      for (int64_t line = 0; line < kQ4KSuperBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + s * kQ4KSuperBytes + line), _MM_HINT_T0);
+    const __m256i top_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 32));  // s_j: 2j, m_j: 16 + 2j
+    __m256i top = top_bits;
+    __m256i isum[MB];
+    for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int j = 0; j < 8; ++j) {
+      const __m256i lows = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 64 + 8 * j)));
+      const __m256i scale = _mm256_or_si256(_mm256_and_si256(lows, fifteen),
+                                            _mm256_slli_epi32(_mm256_and_si256(top, three), 4));
+      top = _mm256_srli_epi32(top, 2);
+      const uint8_t* wc = super + 128 + 128 * j;
+      const int64_t c = s * 8 + j;
+      __m256i sums[MB];
+      const int32_t* x[MB];
+      for (int m = 0; m < MB; ++m) {
+        sums[m] = _mm256_setzero_si256();
+        x[m] = reinterpret_cast<const int32_t*>(q.values + (m0 + m) * q.K + c * kInt4GroupCols);
+      }
+      for (int r = 0; r < 4; ++r) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32 * r));
+        const __m256i lo = _mm256_and_si256(packed, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+        for (int m = 0; m < MB; ++m) {
+          sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[m][2 * r])));
+          sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[m][2 * r + 1])));
+        }
+      }
+      for (int m = 0; m < MB; ++m)
+        isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(_mm256_madd_epi16(sums[m], ones), scale));
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super)));
+    for (int m = 0; m < MB; ++m) {
+      const __m256 x_scale = _mm256_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
+      _mm256_store_ps(result[m], _mm256_add_ps(_mm256_load_ps(result[m]),
+                                               _mm256_mul_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, x_scale))));
+    }
+    // The minimums: per pair of sub-blocks (2k, 2k + 1) a lane's m_2k | m_2k+1 << 16 against the activations' two
+    // int16 sums, one vpmaddwd.
+    __m256i pairs[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 64 + 16 * k)));
+      const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 72 + 16 * k)));
+      const __m256i m_first = _mm256_or_si256(_mm256_srli_epi32(first, 4),
+          _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(top_bits, _mm_cvtsi32_si128(16 + 4 * k)), three), 4));
+      const __m256i m_second = _mm256_or_si256(_mm256_srli_epi32(second, 4),
+          _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(top_bits, _mm_cvtsi32_si128(18 + 4 * k)), three), 4));
+      pairs[k] = _mm256_or_si256(m_first, _mm256_slli_epi32(m_second, 16));
+    }
+    const __m256 negative_dmin = _mm256_xor_ps(
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 16))), _mm256_set1_ps(-0.0f));
+    for (int m = 0; m < MB; ++m) {
+      const int32_t* sums = reinterpret_cast<const int32_t*>(q.sums32 + (m0 + m) * per_row + s * 8);  // int16 pairs
+      __m256i msum = _mm256_madd_epi16(pairs[0], _mm256_set1_epi32(sums[0]));
+      for (int k = 1; k < 4; ++k) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs[k], _mm256_set1_epi32(sums[k])));
+      const __m256 x_scale = _mm256_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
+      _mm256_store_ps(result[m], _mm256_add_ps(_mm256_load_ps(result[m]),
+          _mm256_mul_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(negative_dmin, x_scale))));
+    }
+  }
+  for (int m = 0; m < MB; ++m) avx2::store8(p.out, (m0 + m) * p.N + n0, _mm256_load_ps(result[m]), p.out_bf16);
+}
+
 }  // namespace
+
+void q4k_groups_avx2(const Q4KProblem& p, int64_t g0, int64_t g1) {
+  const int64_t group_stride = p.x->blocks * kQ4KSuperBytes;  // 8 rows, all of K
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = p.w + g * group_stride;
+    const uint8_t* next = g + 1 < g1 ? wg + group_stride : nullptr;
+    for (int64_t m = 0; m < p.M; m += kQ4KTileRows, next = nullptr) {
+      switch (std::min<int64_t>(kQ4KTileRows, p.M - m)) {
+        case 1: q4k_group_rows<1>(p, m, wg, g * kInt4GroupRows, next); break;
+        case 2: q4k_group_rows<2>(p, m, wg, g * kInt4GroupRows, next); break;
+        case 3: q4k_group_rows<3>(p, m, wg, g * kInt4GroupRows, next); break;
+        default: q4k_group_rows<kQ4KTileRows>(p, m, wg, g * kInt4GroupRows, next); break;
+      }
+    }
+  }
+}
 
 void int4_groups_avx2(const Int4Problem& p, int64_t g0, int64_t g1) { groups<false>(p, g0, g1); }
 

@@ -10,7 +10,8 @@
 // then acc += m * (x_scale * sum)) are unchanged, so both kernels give the same bits.
 //
 // The q4 layout (kernels.h: q4_groups_avx512, GGUF's Q4_0) is the same loop without minimums: each dot starts at
-// -8 * sum(xq), so it ends at sum((q - 8) * xq), and one float step follows, q8's.
+// -8 * sum(xq), so it ends at sum((q - 8) * xq), and one float step follows, q8's. The q4k layout (GGUF's Q4_K) has a
+// loop of its own below: the same dots, summed per super-block in integers.
 #include "avx512.h"
 #include "kernels.h"
 
@@ -99,7 +100,115 @@ void groups(const Int4Problem& p, int64_t g0, int64_t g1) {
   if (g0 < g1) kQ4 ? q4_groups_avx2(p, g0, g1) : int4_groups_avx2(p, g0, g1);
 }
 
+// q4k (kernels.h: llama.cpp's Q4_K x Q8_K): out[m, rows n0..n0+15] for MB activation rows against groups wa and wb.
+// Per super-block two passes: the dots, each row's isum += s_j * dot_j in integers and one float step; then the
+// minimums, msum = sum_j m_j * sums32_j as vpmaddwd over int16 pairs, and the second float step. The results wait
+// in memory during the dots, which leaves registers for 8 rows a tile.
+constexpr int kQ4KTileRows = 8;
+
+template <int MB>
+inline void q4k_pair_rows(const Q4KProblem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, int64_t n0) {
+  const QuantizedRows& q = *p.x;  // blocks of 256: q.blocks super-blocks, q.sums32 (int16) per 32 values
+  const int64_t per_row = q.K / kInt4GroupCols;
+  const __m512i low = _mm512_set1_epi8(0x0F), fifteen = _mm512_set1_epi32(15), three = _mm512_set1_epi32(3);
+  alignas(64) float result[MB][16] = {};
+  for (int64_t s = 0; s < q.blocks; ++s) {
+    const uint8_t* sa = wa + s * kQ4KSuperBytes;
+    const uint8_t* sb = wb + s * kQ4KSuperBytes;
+    const __m512i top_bits = avx512::two_groups(sa + 32, sb + 32);  // a row's top bits: s_j at 2j, m_j at 16 + 2j
+    const __m512 d = avx512::two_fp16_rows(sa, sb);
+    __m512i top = top_bits;
+    __m512i isum[MB];
+    for (int m = 0; m < MB; ++m) isum[m] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      for (int line = 0; line < kQ4GroupBytes; line += 64) {  // in step, kPrefetchBlocks blocks of 144 bytes ahead
+        _mm_prefetch(reinterpret_cast<const char*>(sa + (kPrefetchBlocks + j) * kQ4GroupBytes + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(sb + (kPrefetchBlocks + j) * kQ4GroupBytes + line), _MM_HINT_T0);
+      }
+      const __m512i lows = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sa + 64 + 8 * j)),
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 64 + 8 * j))));
+      const __m512i scale = _mm512_or_si512(_mm512_and_si512(lows, fifteen),
+                                            _mm512_slli_epi32(_mm512_and_si512(top, three), 4));
+      top = _mm512_srli_epi32(top, 2);
+      const uint8_t* ca = sa + 128 + 128 * j;
+      const uint8_t* cb = sb + 128 + 128 * j;
+      const int64_t c = s * 8 + j;
+      __m512i dot[MB];
+      const int32_t* x[MB];
+      for (int m = 0; m < MB; ++m) {
+        dot[m] = _mm512_setzero_si512();
+        x[m] = reinterpret_cast<const int32_t*>(q.values + (m0 + m) * q.K + c * kInt4GroupCols);
+      }
+      for (int r = 0; r < 4; ++r) {
+        const __m512i packed = avx512::two_groups(ca + 32 * r, cb + 32 * r);
+        const __m512i lo = _mm512_and_si512(packed, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        for (int m = 0; m < MB; ++m) {
+          dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(x[m][2 * r]));
+          dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(x[m][2 * r + 1]));
+        }
+      }
+      for (int m = 0; m < MB; ++m) isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(dot[m], scale));
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m512 x_scale = _mm512_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
+      _mm512_store_ps(result[m], _mm512_add_ps(_mm512_load_ps(result[m]),
+                                               _mm512_mul_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, x_scale))));
+    }
+    // The minimums: per pair of sub-blocks (2k, 2k + 1) a lane's m_2k | m_2k+1 << 16 against the activations' two
+    // int16 sums, one vpmaddwd.
+    __m512i pairs[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m512i first = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sa + 64 + 16 * k)),
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 64 + 16 * k))));
+      const __m512i second = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sa + 72 + 16 * k)),
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 72 + 16 * k))));
+      const __m512i m_first = _mm512_or_si512(_mm512_srli_epi32(first, 4),
+          _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(top_bits, _mm_cvtsi32_si128(16 + 4 * k)), three), 4));
+      const __m512i m_second = _mm512_or_si512(_mm512_srli_epi32(second, 4),
+          _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(top_bits, _mm_cvtsi32_si128(18 + 4 * k)), three), 4));
+      pairs[k] = _mm512_or_si512(m_first, _mm512_slli_epi32(m_second, 16));
+    }
+    const __m512 negative_dmin = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(avx512::two_fp16_rows(sa + 16, sb + 16)), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+    for (int m = 0; m < MB; ++m) {
+      const int32_t* sums = reinterpret_cast<const int32_t*>(q.sums32 + (m0 + m) * per_row + s * 8);  // int16 pairs
+      __m512i msum = _mm512_madd_epi16(pairs[0], _mm512_set1_epi32(sums[0]));
+      for (int k = 1; k < 4; ++k) msum = _mm512_add_epi32(msum, _mm512_madd_epi16(pairs[k], _mm512_set1_epi32(sums[k])));
+      const __m512 x_scale = _mm512_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
+      _mm512_store_ps(result[m], _mm512_add_ps(_mm512_load_ps(result[m]),
+          _mm512_mul_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(negative_dmin, x_scale))));
+    }
+  }
+  for (int m = 0; m < MB; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, _mm512_load_ps(result[m]), p.out_bf16);
+}
+
+void q4k_groups(const Q4KProblem& p, int64_t g0, int64_t g1) {
+  const int64_t group_stride = p.x->blocks * kQ4KSuperBytes;  // 8 rows, all of K
+  for (; g0 + 1 < g1; g0 += 2) {
+    const uint8_t* wa = p.w + g0 * group_stride;
+    for (int64_t m = 0; m < p.M; m += kQ4KTileRows) {
+      switch (std::min<int64_t>(kQ4KTileRows, p.M - m)) {
+        case 1: q4k_pair_rows<1>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        case 2: q4k_pair_rows<2>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        case 3: q4k_pair_rows<3>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        case 4: q4k_pair_rows<4>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        case 5: q4k_pair_rows<5>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        case 6: q4k_pair_rows<6>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        case 7: q4k_pair_rows<7>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        default: q4k_pair_rows<kQ4KTileRows>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+      }
+    }
+  }
+  if (g0 < g1) q4k_groups_avx2(p, g0, g1);  // an odd group left: the AVX2 kernel, the same bits
+}
+
 }  // namespace
+
+void q4k_groups_avx512(const Q4KProblem& p, int64_t g0, int64_t g1) { q4k_groups(p, g0, g1); }
 
 void int4_groups_avx512(const Int4Problem& p, int64_t g0, int64_t g1) { groups<false>(p, g0, g1); }
 

@@ -18,6 +18,7 @@ struct QuantizedRows {
   float* scales;
   int32_t* sums;
   float* sum_scales;  // scales[i] * sums[i] (the int4 minimum's factor): computed once, not once per weight group
+  int16_t* sums32 = nullptr;  // where given (q4k's blocks of 256): the sum of each 32 values' int8s, per (row, 32)
 };
 
 // Rows [m0, m1) of x [M, K] (float32, or bfloat16 bits when bf16) into q: q = round_half_even(x * 127 / absmax).
@@ -48,6 +49,22 @@ using Q4Problem = Int4Problem;
 constexpr int64_t kQ4GroupBytes = 144;
 void q4_groups_avx2(const Q4Problem& p, int64_t g0, int64_t g1);
 void q4_groups_avx512(const Q4Problem& p, int64_t g0, int64_t g1);
+
+// 4-bit weights in GGUF's Q4_K form: per super-block of 256 values of a row an fp16 d and dmin, and per sub-block j
+// of 32 a 6-bit scale s_j and minimum m_j (w = (d * s_j) * q - dmin * m_j), held in the file's own 144 bytes per
+// 256 values. Per group of 8 rows and super-block, 1152 bytes: the 8 rows' fp16 d, their fp16 dmin, a uint32 per
+// row holding the top 2 bits of s_j (bits 2j, 2j + 1) and of m_j (bits 16 + 2j, 17 + 2j), 64 bytes of
+// (s_j & 15) | (m_j & 15) << 4 (byte 8j + row), then the 8 sub-blocks' 128 bytes of nibbles in int4's order
+// (engine/kernels/layouts.py: pack_q4k): the file's values, where int4 rounds d * s_j and dmin * m_j to fp16.
+// The arithmetic is llama.cpp's Q4_K x Q8_K: activations come in blocks of 256 (one scale x_scale) with the sum of
+// each 32 of their int8s (sums32); per super-block each row sums in integers isum = sum_j s_j * dot_j and
+// msum = sum_j m_j * sums32_j (exact: at most 31M and 2M), then acc += isum * (d * x_scale), then
+// acc += msum * (-dmin * x_scale): two float steps per 256 values where int4 takes two per 32, and no scale is
+// decoded into a float.
+using Q4KProblem = Int4Problem;
+constexpr int64_t kQ4KSuperCols = 256, kQ4KSuperBytes = 1152;
+void q4k_groups_avx2(const Q4KProblem& p, int64_t g0, int64_t g1);
+void q4k_groups_avx512(const Q4KProblem& p, int64_t g0, int64_t g1);
 
 // int8 weights with one fp16 scale d per 32 values of a row (w = d * q: GGUF's Q8_0), packed per group of 8 rows
 // and 32 columns as 256 bytes of q + 128, then 8 fp16 d (engine/kernels/layouts.py). Activations come in blocks
@@ -82,7 +99,7 @@ struct AttentionProblem {
 void decode_attention_avx2(const AttentionProblem& p, int64_t task0, int64_t task1);
 
 // A GGUF matrix's raw blocks ([rows, gguf_row_bytes(type, cols)], ggml type ids) into Tern's int4 layout (Q4_0,
-// Q4_1, Q4_K: gguf_has_int4), q4 layout (Q4_0 as it is) or q8 layout (Q8_0 as it is; Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
+// Q4_1, Q4_K: gguf_has_int4), q4 layout (Q4_0 as it is), q4k layout (Q4_K as it is) or q8 layout (Q8_0 as it is; Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
 // Q5_K, Q6_K, F16, BF16, F32 re-quantized per 32 values as quant.quantize_q8 does), groups of 8 rows [g0, g1)
 // (gguf_repack_avx2.cpp).
 struct GgufRepack {
@@ -91,12 +108,14 @@ struct GgufRepack {
   int64_t cols;
   uint8_t* out;
 };
-enum class GgufLayout : int64_t { kQ8 = 0, kInt4 = 1, kQ4 = 2 };  // the `layout` argument of torch.ops.tern.gguf_repack
+enum class GgufLayout : int64_t { kQ8 = 0, kInt4 = 1, kQ4 = 2, kQ4K = 3 };  // the `layout` argument of torch.ops.tern.gguf_repack
 int64_t gguf_row_bytes(int type, int64_t cols);  // -1: a type this file does not read
 bool gguf_has_int4(int type);
 bool gguf_has_q4(int type);  // Q4_0
+bool gguf_has_q4k(int type);  // Q4_K
 void gguf_int4_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void gguf_q4_groups(const GgufRepack& p, int64_t g0, int64_t g1);
+void gguf_q4k_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void gguf_q8_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void decode_attention_avx512(const AttentionProblem& p, int64_t task0, int64_t task1);
 

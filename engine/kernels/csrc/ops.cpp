@@ -26,21 +26,25 @@ void check_activations(const at::Tensor& x, const char* op) {
 }
 
 // w_packed: uint8 [N, K * GroupBytes / 256]: int4, 160 bytes per group of 8 rows and 32 columns ([N, K * 5 / 8]),
-// or q4, 144 bytes ([N, K * 9 / 16]) (kernels.h).
-template <Int4Groups Groups, int64_t GroupBytes>
+// q4 or q4k, 144 bytes ([N, K * 9 / 16]; q4k: K a multiple of 256, its super-blocks) (kernels.h).
+template <Int4Groups Groups, int64_t GroupBytes, int64_t Cols = kInt4GroupCols>
 at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
   const at::Tensor x = x_in.contiguous();
   check_activations(x, "int4_mm");
   TORCH_CHECK(w_packed.dim() == 2 && w_packed.scalar_type() == at::kByte && w_packed.is_contiguous(),
               "int4_mm: w_packed must be packed uint8 [N, K * ", GroupBytes, " / 256]");
   const int64_t M = x.size(0), K = x.size(1), N = w_packed.size(0);
-  TORCH_CHECK(K % kInt4GroupCols == 0 && N % kInt4GroupRows == 0 &&
+  TORCH_CHECK(K % Cols == 0 && N % kInt4GroupRows == 0 &&
                   w_packed.size(1) * kInt4GroupRows * kInt4GroupCols == K * GroupBytes,
-              "int4_mm: K must be a multiple of 32, N of 8, and w_packed [N, K * ", GroupBytes, " / 256]");
+              "int4_mm: K must be a multiple of ", Cols, ", N of 8, and w_packed [N, K * ", GroupBytes, " / 256]");
   at::Tensor out = at::empty({M, N}, x.options());
   QuantizedScratch scratch;
-  int4_matmul(Groups, scratch, x.data_ptr(), x.scalar_type() == at::kBFloat16, M, K,
-              w_packed.data_ptr<uint8_t>(), N, out.data_ptr());
+  const bool x_bf16 = x.scalar_type() == at::kBFloat16;
+  if constexpr (Cols == kQ4KSuperCols) {
+    q4k_matmul(Groups, scratch, x.data_ptr(), x_bf16, M, K, w_packed.data_ptr<uint8_t>(), N, out.data_ptr());
+  } else {
+    int4_matmul(Groups, scratch, x.data_ptr(), x_bf16, M, K, w_packed.data_ptr<uint8_t>(), N, out.data_ptr());
+  }
   return out;
 }
 
@@ -104,24 +108,26 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, c
 }
 
 // raw: uint8 [rows, bytes per row], a GGUF matrix's blocks of ggml type `type` -> the bytes of `layout`
-// (GgufLayout: 0 q8, 1 int4, 2 q4). out: where to write (e.g. a fused projection's rows of this part), else a new
+// (GgufLayout: 0 q8, 1 int4, 2 q4, 3 q4k). out: where to write (e.g. a fused projection's rows of this part), else a new
 // tensor.
 at::Tensor gguf_repack(const at::Tensor& raw, int64_t type, int64_t cols, int64_t layout_in,
                        const std::optional<at::Tensor>& out_in) {
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.device().is_cpu(),
               "gguf_repack: raw must be contiguous uint8 [rows, bytes per row] on the CPU");
-  TORCH_CHECK(layout_in >= 0 && layout_in <= 2, "gguf_repack: layout is 0 (q8), 1 (int4) or 2 (q4)");
+  TORCH_CHECK(layout_in >= 0 && layout_in <= 3, "gguf_repack: layout is 0 (q8), 1 (int4), 2 (q4) or 3 (q4k)");
   const GgufLayout layout = static_cast<GgufLayout>(layout_in);
-  const char* name = layout == GgufLayout::kQ8 ? "q8" : layout == GgufLayout::kInt4 ? "int4" : "q4";
+  const char* name = layout == GgufLayout::kQ8 ? "q8" : layout == GgufLayout::kInt4 ? "int4" :
+                     layout == GgufLayout::kQ4 ? "q4" : "q4k";
   const int64_t rows = raw.size(0);
   const int64_t bytes = gguf_row_bytes(static_cast<int>(type), cols);
   const bool fits = layout == GgufLayout::kQ8 || (layout == GgufLayout::kInt4 && gguf_has_int4(static_cast<int>(type))) ||
-                    (layout == GgufLayout::kQ4 && gguf_has_q4(static_cast<int>(type)));
+                    (layout == GgufLayout::kQ4 && gguf_has_q4(static_cast<int>(type))) ||
+                    (layout == GgufLayout::kQ4K && gguf_has_q4k(static_cast<int>(type)));
   TORCH_CHECK(bytes > 0 && fits, "gguf_repack: ggml type ", type, " cannot be repacked into ", name);
   TORCH_CHECK(rows % kInt4GroupRows == 0 && cols % kInt4GroupCols == 0 && raw.size(1) == bytes,
               "gguf_repack: rows must be a multiple of 8, cols of 32 (256 for K-quants), raw [rows, ", bytes, "]");
   const int64_t group_bytes = layout == GgufLayout::kQ8 ? kQ8GroupBytes :
-                              layout == GgufLayout::kInt4 ? kInt4GroupBytes : kQ4GroupBytes;
+                              layout == GgufLayout::kInt4 ? kInt4GroupBytes : kQ4GroupBytes;  // q4k: 144 on average
   const int64_t out_cols = cols * group_bytes / (kInt4GroupRows * kInt4GroupCols);
   at::Tensor out = out_in.has_value() ? *out_in : at::empty({rows, out_cols}, raw.options());
   TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == out_cols && out.scalar_type() == at::kByte &&
@@ -131,6 +137,7 @@ at::Tensor gguf_repack(const at::Tensor& raw, int64_t type, int64_t cols, int64_
     switch (layout) {
       case GgufLayout::kInt4: gguf_int4_groups(p, g0, g1); break;
       case GgufLayout::kQ4: gguf_q4_groups(p, g0, g1); break;
+      case GgufLayout::kQ4K: gguf_q4k_groups(p, g0, g1); break;
       case GgufLayout::kQ8: gguf_q8_groups(p, g0, g1); break;
     }
   });
@@ -144,12 +151,14 @@ TORCH_LIBRARY(tern, m) {
   m.def("gguf_repack(Tensor raw, int type, int cols, int layout, Tensor(a!)? out=None) -> Tensor");
   m.def("int4_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q4_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
+  m.def("q4k_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q8_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("decode_attention_avx2(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, Tensor context_lens, "
         "float scale) -> Tensor");
 #ifdef TERN_WITH_AVX512
   m.def("int4_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q4_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
+  m.def("q4k_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q8_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("decode_attention_avx512(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, "
         "Tensor context_lens, float scale) -> Tensor");
@@ -169,11 +178,13 @@ TORCH_LIBRARY_IMPL(tern, CPU, m) {
   m.impl("gguf_repack", &tern::gguf_repack);
   m.impl("int4_mm_avx2", &tern::int4_mm<tern::int4_groups_avx2, tern::kInt4GroupBytes>);
   m.impl("q4_mm_avx2", &tern::int4_mm<tern::q4_groups_avx2, tern::kQ4GroupBytes>);
+  m.impl("q4k_mm_avx2", &tern::int4_mm<tern::q4k_groups_avx2, tern::kQ4GroupBytes, tern::kQ4KSuperCols>);
   m.impl("q8_mm_avx2", &tern::q8_mm<tern::q8_groups_avx2>);
   m.impl("decode_attention_avx2", &tern::decode_attention_op<tern::decode_attention_avx2>);
 #ifdef TERN_WITH_AVX512
   m.impl("int4_mm_avx512", &tern::int4_mm<tern::int4_groups_avx512, tern::kInt4GroupBytes>);
   m.impl("q4_mm_avx512", &tern::int4_mm<tern::q4_groups_avx512, tern::kQ4GroupBytes>);
+  m.impl("q4k_mm_avx512", &tern::int4_mm<tern::q4k_groups_avx512, tern::kQ4GroupBytes, tern::kQ4KSuperCols>);
   m.impl("q8_mm_avx512", &tern::q8_mm<tern::q8_groups_avx512>);
   m.impl("decode_attention_avx512", &tern::decode_attention_op<tern::decode_attention_avx512>);
 #endif

@@ -13,6 +13,12 @@ inline __m256i narrow(__m256i a, __m256i b, __m256i c, __m256i d) {
   return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+inline int32_t reduce_add(__m256i v) {
+  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i s2 = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+}
+
 }  // namespace
 
 void quantize_rows_avx2(const void* x, bool bf16, int64_t m0, int64_t m1, const QuantizedRows& q) {
@@ -27,16 +33,16 @@ void quantize_rows_avx2(const void* x, bool bf16, int64_t m0, int64_t m1, const 
       const __m256 inv = _mm256_set1_ps(absmax > 0.f ? 127.f / absmax : 0.f);
       __m256i sum = _mm256_setzero_si256();
       for (int64_t i = 0; i < q.block; i += 32) {
-        __m256i v[4];
+        __m256i v[4], sum32 = _mm256_setzero_si256();
         for (int j = 0; j < 4; ++j) {
           v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(avx2::load8(x, base + i + 8 * j, bf16), inv));
-          sum = _mm256_add_epi32(sum, v[j]);
+          sum32 = _mm256_add_epi32(sum32, v[j]);
         }
+        sum = _mm256_add_epi32(sum, sum32);
+        if (q.sums32) q.sums32[(base + i) / 32] = static_cast<int16_t>(reduce_add(sum32));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.values + base + i), narrow(v[0], v[1], v[2], v[3]));
       }
-      const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-      const __m128i s2 = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-      q.sums[m * q.blocks + b] = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+      q.sums[m * q.blocks + b] = reduce_add(sum);
       q.scales[m * q.blocks + b] = absmax / 127.f;
       q.sum_scales[m * q.blocks + b] = q.scales[m * q.blocks + b] * static_cast<float>(q.sums[m * q.blocks + b]);
     }

@@ -48,3 +48,29 @@ def q4_matmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor
     """x [M, K] times the weight d * (q - 8) (q [N, K] in 0..15, d fp16 [N, K/32]): q8's arithmetic on q - 8, the
     exact integer sum((q - 8) * xq) per block, then one float step."""
     return q8_matmul(x, q.to(torch.int8) - 8, d)
+
+
+
+def q4k_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, d: torch.Tensor,
+               dmin: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times GGUF's Q4_K weight (d * scale) * q - dmin * minimum (q [N, K] in 0..15, scale and minimum
+    [N, K/32] in 0..63, d and dmin fp16 [N, K/256]), as llama.cpp's Q4_K x Q8_K: activations quantized per 256,
+    per super-block the exact integers sum(scale * dot) and sum(minimum * sum of 32 activations), then two float
+    steps."""
+    quantized, x_scales = quantize_activations(x, 256)  # [M, K/256, 256], [M, K/256]
+    rows, supers, _ = quantized.shape
+    xq = quantized.reshape(rows, supers * 8, 32).long()
+    block_sums = xq.sum(-1)  # [M, K/32]
+    scale, minimum = scale.long(), minimum.long()
+    acc = torch.zeros(rows, q.shape[0])
+    for s in range(supers):
+        isum = torch.zeros(rows, q.shape[0], dtype=torch.long)
+        msum = torch.zeros_like(isum)
+        for c in range(8 * s, 8 * s + 8):
+            dot = xq[:, c] @ q[:, c * 32:(c + 1) * 32].long().t()  # [M, N], exact
+            isum += dot * scale[:, c][None]
+            msum += block_sums[:, c:c + 1] * minimum[:, c][None]
+        x_scale = x_scales[:, s:s + 1]
+        acc = acc + isum.float() * (d[:, s].float()[None] * x_scale)
+        acc = acc + msum.float() * ((-dmin[:, s].float())[None] * x_scale)
+    return acc.to(x.dtype)

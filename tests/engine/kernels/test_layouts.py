@@ -50,6 +50,26 @@ def test_q4_layout_round_trips_is_four_and_a_half_bits_a_weight_and_is_int4_with
     assert torch.equal(layouts.q4_rows(packed, ids), expected[ids])
 
 
+def test_q4k_layout_round_trips_is_four_and_a_half_bits_a_weight_and_holds_q4_k_values():
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (24, 512), dtype=torch.uint8, generator=generator)
+    scale, minimum = (torch.randint(0, 64, (24, 16), dtype=torch.uint8, generator=generator) for _ in range(2))
+    d, dmin = torch.rand(24, 2, generator=generator).half(), torch.rand(24, 2, generator=generator).half()
+    packed = layouts.pack_q4k(q, scale, minimum, d, dmin)
+    assert packed.dtype == torch.uint8 and packed.shape == (24, 512 * 9 // 16)  # Q4_K's 144 bytes per 256 values
+    for got, want in zip(layouts.unpack_q4k(packed), (q, scale, minimum, d, dmin)):
+        assert torch.equal(got, want)
+    per_block = lambda s: s.float().repeat_interleave(8, dim=1)[..., None]  # noqa: E731
+    expected = ((q.float().reshape(24, 16, 32) * (per_block(d) * scale.float()[..., None]))
+                - per_block(dmin) * minimum.float()[..., None]).reshape(24, 512)
+    assert torch.equal(layouts.dequantize_q4k(packed), expected)
+    ids = torch.tensor([[0, 5, 23], [17, 17, 7]])
+    assert torch.equal(layouts.q4k_rows(packed, ids), expected[ids])
+    # In int4's layout (aten's int4pack where no kernel serves) the scales are rounded to fp16: close, not equal.
+    as_int4 = layouts.dequantize_int4(layouts.q4k_as_int4(packed))
+    assert (as_int4 - expected).abs().max() <= 2.0**-9 * expected.abs().max()
+
+
 def test_bf16_layout_round_trips_and_rows_read_from_it():
     weight = torch.randn(12, 96).to(torch.bfloat16)
     packed = layouts.pack_bf16(weight)

@@ -1,6 +1,6 @@
-"""The int8, int4 and bf16 matmul kernels of every path this CPU takes: bit for bit their PyTorch reference at every
-batch size, each row independent of its batch, inside a compiled graph; and the layer each path puts in a model
-(its kernel, or aten's op on `off`) close to the exact product."""
+"""The int8, 4-bit (int4, q4, q4k) and bf16 matmul kernels of every path this CPU takes: bit for bit their PyTorch
+reference at every batch size, each row independent of its batch, inside a compiled graph; and the layer each path
+puts in a model (its kernel, or aten's op on `off`) close to the exact product."""
 from __future__ import annotations
 
 import pytest
@@ -29,6 +29,15 @@ def _int4_case(rows, n, k, dtype, seed=0):
     d = (torch.rand(n, k // 32, generator=generator) / 50).half()
     m = (-torch.rand(n, k // 32, generator=generator) / 5).half()
     return _activations(rows, k, dtype, generator), q, d, m
+
+
+def _q4k_case(rows, n, k, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator)
+    scale, minimum = (torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=generator) for _ in range(2))
+    d = (torch.rand(n, k // 256, generator=generator) / 1000).half()
+    dmin = (torch.rand(n, k // 256, generator=generator) / 200).half()
+    return _activations(rows, k, dtype, generator), (q, scale, minimum, d, dmin)
 
 
 def _q8_case(rows, n, k, dtype, seed=0):
@@ -72,6 +81,27 @@ def test_q4_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows):
         assert torch.equal(out, reference.q4_matmul(x, q, d)), (n, k)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", ROWS)
+def test_q4k_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows):
+    """GGUF's Q4_K in its own 144 bytes per 256 values: int4's arithmetic, each block's scale and minimum the
+    exact products of its super-block's d and dmin with 6-bit integers (every top-bit combination drawn)."""
+    q4k_mm = require(_q4k_kernel(path_kernels), "q4k")
+    for n, k in [(8, 256), (24, 512), (112, 768), (576, 1536)]:
+        x, parts = _q4k_case(rows, n, k, dtype, seed=rows)
+        out = q4k_mm(x, layouts.pack_q4k(*parts))
+        assert out.dtype == dtype and out.shape == (rows, n)
+        assert torch.equal(out, reference.q4k_matmul(x, *parts)), (n, k)
+
+
+def _q4k_kernel(path_kernels):
+    """The path's q4k kernel; on AVX2, which serves Q4_K in int4, the AVX2 one all the same: it computes the
+    AVX512 kernel's odd group of 8 rows."""
+    if path_kernels.path == "avx2":
+        return torch.ops.tern.q4k_mm_avx2
+    return path_kernels.q4k_mm
+
+
 def test_a_row_gets_the_same_bits_alone_as_in_any_batch(path_kernels):
     """What makes a sequence's tokens independent of the other sequences sharing its steps."""
     q8_mm, int4_mm = require(path_kernels.q8_mm, "q8"), require(path_kernels.int4_mm, "int4")
@@ -80,7 +110,11 @@ def test_a_row_gets_the_same_bits_alone_as_in_any_batch(path_kernels):
     _, q8, d8 = _q8_case(37, 112, 576, torch.float32)
     packed4, packed_q8, packed_q4 = layouts.pack_int4(q, d, m), layouts.pack_q8(q8, d8), layouts.pack_q4(q, d)
     batch4, batch_q8, batch_q4 = int4_mm(x, packed4), q8_mm(x, packed_q8), q4_mm(x, packed_q4)
+    _, parts = _q4k_case(37, 112, 512, torch.float32)
+    q4k_mm, packed_q4k = require(_q4k_kernel(path_kernels), "q4k"), layouts.pack_q4k(*parts)
+    batch_q4k = q4k_mm(x[:, :512], packed_q4k)
     for row in (0, 5, 36):
+        assert torch.equal(q4k_mm(x[row:row + 1, :512], packed_q4k)[0], batch_q4k[row])
         assert torch.equal(int4_mm(x[row:row + 1], packed4)[0], batch4[row])
         assert torch.equal(q8_mm(x[row:row + 1], packed_q8)[0], batch_q8[row])
         assert torch.equal(q4_mm(x[row:row + 1], packed_q4)[0], batch_q4[row])
@@ -104,6 +138,31 @@ def test_a_q4_layer_computes_the_q4_0_product_on_every_path(path_kernels, dtype)
     assert torch.equal(layouts.dequantize_q4(layouts.pack_q4(q, d)), stored)
     for rows in (1, 9, 64):
         x = _activations(rows, 576, dtype, generator)
+        exact = x.double() @ stored.double().T + bias.to(dtype).double()
+        out = layer(x)
+        assert out.dtype == dtype and out.shape == (rows, 112)
+        assert ((out.double() - exact).norm() / exact.norm()).item() < 0.02, rows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_q4k_layer_computes_the_q4_k_product_on_every_path(path_kernels, dtype):
+    """What a GGUF's Q4_K tensor becomes: the q4k kernel where the path has one (AVX512), else the int4 kernel or
+    aten's int4pack on the same weight put in int4's layout (its scales rounded to fp16); all close to the exact
+    product."""
+    from engine.layers import Q4KLinear
+
+    generator = torch.Generator().manual_seed(12)
+    _, parts = _q4k_case(1, 112, 512, dtype, seed=12)
+    bias = torch.randn(112, generator=generator)
+    model = nn.Sequential(Q4KLinear(layouts.pack_q4k(*parts), bias.to(dtype)))
+    quant.pack_for_cpu(model, path_kernels)
+    layer = model[0]
+    expected = (layers.PackedQ4KLinear if path_kernels.q4k_mm else
+                layers.PackedInt4Linear if path_kernels.int4_mm else layers.AtenInt4Linear)
+    assert type(layer) is expected
+    stored = layouts.dequantize_q4k(layouts.pack_q4k(*parts))
+    for rows in (1, 9, 64):
+        x = _activations(rows, 512, dtype, generator)
         exact = x.double() @ stored.double().T + bias.to(dtype).double()
         out = layer(x)
         assert out.dtype == dtype and out.shape == (rows, 112)
@@ -159,10 +218,13 @@ def test_kernels_run_inside_a_compiled_graph(path_kernels):
     packed_q8, packed4 = layouts.pack_q8(q8, d8), layouts.pack_int4(q, d, m)
 
     packed_q4 = layouts.pack_q4(q, d)
+    _, parts = _q4k_case(3, 112, 512, torch.float32)
+    packed_q4k = layouts.pack_q4k(*parts)
 
     def block(x):
         q4 = path_kernels.q4_mm(x, packed_q4) if path_kernels.q4_mm else 0
-        return torch.relu(q8_mm(x, packed_q8)) * 2 + int4_mm(x, packed4) + q4
+        q4k = path_kernels.q4k_mm(x[:, :512], packed_q4k) if path_kernels.q4k_mm else 0
+        return torch.relu(q8_mm(x, packed_q8)) * 2 + int4_mm(x, packed4) + q4 + q4k
 
     compiled = torch.compile(block, fullgraph=True)
     assert torch.equal(compiled(x), block(x))
@@ -179,6 +241,9 @@ def test_shapes_the_kernels_cannot_take_are_refused_with_a_message(path_kernels)
     if path_kernels.q4_mm is not None:
         with pytest.raises(RuntimeError, match="K \\* 144 / 256"):
             path_kernels.q4_mm(torch.randn(2, 64), torch.zeros(8, 40, dtype=torch.uint8))  # int4's width
+    if path_kernels.q4k_mm is not None:  # super-blocks of 256 columns
+        with pytest.raises(RuntimeError, match="multiple of 256"):
+            path_kernels.q4k_mm(torch.randn(2, 64), torch.zeros(8, 36, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
         q8_mm(torch.randn(2, 64).half(), torch.zeros(8, 68, dtype=torch.uint8))
 
