@@ -41,7 +41,7 @@ def add_status_routes(router: APIRouter, server: Server) -> None:
             raise shutting_down()
         engine = server.engine()
         stats = engine.stats()
-        if stats.num_waiting >= engine.config.max_waiting:
+        if stats.num_waiting >= engine.info().max_waiting:
             raise OpenAIError(503, "the waiting queue is full", "service_unavailable_error", code="queue_full")
         return {"ready": True, "num_running": stats.num_running, "num_waiting": stats.num_waiting}
 
@@ -56,18 +56,17 @@ def add_status_routes(router: APIRouter, server: Server) -> None:
 
 
 def _card(server: Server) -> ModelCard:
-    engine = server.engine()
-    loaded = engine.loaded
+    info = server.engine().info()
     return ModelCard(
         id=server.model_name,
         created=server.created,
         owned_by="tern",
-        max_model_len=engine.max_model_len,
-        dtype=str(engine.dtype).removeprefix("torch."),
-        quantization=loaded.quantization,
-        weight_bytes=loaded.weight_bytes,
-        compiled_decode=engine.compiled_decode,
-        decode_step=engine.decode_step,
-        cpu_kernels=loaded.kernels.describe() if engine.device.type == "cpu" else "none (not a CPU)",
-        weight_ratio_to_bf16=round(loaded.weight_bytes / max(loaded.bf16_weight_bytes, 1), 3),
+        max_model_len=info.max_model_len,
+        dtype=info.dtype,
+        quantization=info.quantization,
+        weight_bytes=info.weight_bytes,
+        compiled_decode=info.compiled_decode,
+        decode_step=info.decode_step,
+        cpu_kernels=info.cpu_kernels,
+        weight_ratio_to_bf16=info.weight_ratio_to_bf16,
     )

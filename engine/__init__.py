@@ -2,6 +2,7 @@
 from engine.config import EngineConfig
 from engine.engine import Engine, EngineStats
 from engine.handle import EngineHandle
+from engine.info import EngineInfo
 from engine.errors import (
     ContextLengthExceededError,
     DrainingError,
@@ -28,6 +29,7 @@ __all__ = [
     "EngineConfig",
     "EngineError",
     "EngineHandle",
+    "EngineInfo",
     "EngineStats",
     "GrammarError",
     "InvalidRequestError",

@@ -24,6 +24,7 @@ from engine.errors import (
     ContextLengthExceededError, DrainingError, GrammarError, InvalidRequestError, QueueFullError, StepFailedError,
 )
 from engine.grammar import GrammarCompiler
+from engine.info import EngineInfo
 from engine.kv_cache import BlockAllocator, KVCache, blocks_needed
 from engine.loader import LoadedModel
 from engine.outputs import FINISH_ABORT, Completion, ContinuationScore, RequestOutput
@@ -200,6 +201,21 @@ class Engine:
         """`native` (C++, engine/native_decode.py), `compiled`, `compiling` (the eager step serves until the
         compiled one is ready) or `eager`."""
         return self.runner.decode_step
+
+    def info(self) -> EngineInfo:
+        """What this engine serves and how, now (the decode step moves on from `compiling`): the one description
+        api/ and ui/ render."""
+        loaded = self.loaded
+        return EngineInfo(
+            model_name=self.model_name, num_parameters=loaded.num_parameters,
+            has_chat_template=self.tokenizer.has_chat_template, device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."), quantization=loaded.quantization,
+            weights=loaded.describe_weights(), weight_bytes=loaded.weight_bytes,
+            bf16_weight_bytes=loaded.bf16_weight_bytes,
+            kv_cache_bytes=self.kv_cache.num_bytes if self.kv_cache is not None else 0,
+            cpu_kernels=loaded.kernels.describe() if self.device.type == "cpu" else "none (not a CPU)",
+            decode_step=self.decode_step, decode_graphs=self.decode_graphs, max_model_len=self.max_model_len,
+            max_num_seqs=self.config.max_num_seqs, max_waiting=self.config.max_waiting)
 
     # Lifecycle.
     def start(self) -> Engine:

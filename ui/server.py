@@ -5,7 +5,7 @@ from functools import partial
 
 import gradio as gr
 
-from engine import EngineHandle
+from engine import EngineHandle, EngineInfo
 
 REFRESH_S = 2.0
 
@@ -16,12 +16,12 @@ def describe_model(handle: EngineHandle) -> str:
     if engine is None:
         state = f"failed to load: {handle.error}" if handle.error else "loading the model\u2026"
         return f"# Tern\n{state}"
-    has_template = engine.tokenizer.has_chat_template
-    kind = "an instruction-tuned chat model" if has_template else "a base model (no chat template)"
+    info = engine.info()
+    kind = "an instruction-tuned chat model" if info.has_chat_template else "a base model (no chat template)"
     return (
         f"# Tern \u00b7 {handle.served_model_name}\n"
-        f"{format_count(engine.loaded.num_parameters)} parameters, {kind}, running {_dtype(engine)} on "
-        f"{engine.device}, with a {engine.max_model_len:,}-token context. **Chat** with it, **Complete** raw text, "
+        f"{format_count(info.num_parameters)} parameters, {kind}, running {info.dtype} on "
+        f"{info.device}, with a {info.max_model_len:,}-token context. **Chat** with it, **Complete** raw text, "
         "**Score** continuations by likelihood, or call the OpenAI-compatible API at `/v1` (see **Server**)."
     )
 
@@ -31,27 +31,27 @@ def model_facts(handle: EngineHandle) -> list[list[str]]:
     engine = handle.engine
     if engine is None:
         return [["Status", f"failed: {handle.error}" if handle.error else "loading\u2026"]]
-    weight_bytes = engine.loaded.weight_bytes
-    kv_bytes = _kv_cache_bytes(engine)
+    info = engine.info()
+    weight_bytes, kv_bytes = info.weight_bytes, info.kv_cache_bytes
     return [
         ["Model id", handle.served_model_name],
-        ["Parameters", f"{format_count(engine.loaded.num_parameters)} ({engine.loaded.num_parameters:,})"],
-        ["Dtype", _dtype(engine)],
-        ["Quantization", engine.loaded.describe_weights()],
-        ["Device", str(engine.device)],
-        ["Decode step", _decode_step(engine)],
-        ["CPU kernels", engine.loaded.kernels.describe() if engine.device.type == "cpu" else "none (not a CPU)"],
+        ["Parameters", f"{format_count(info.num_parameters)} ({info.num_parameters:,})"],
+        ["Dtype", info.dtype],
+        ["Quantization", info.weights],
+        ["Device", info.device],
+        ["Decode step", _decode_step(info)],
+        ["CPU kernels", info.cpu_kernels],
         ["Memory", f"{format_bytes(weight_bytes + kv_bytes)} ({format_bytes(weight_bytes)} weights + "
                    f"{format_bytes(kv_bytes)} KV cache)"],
-        ["Max context", f"{engine.max_model_len:,} tokens"],
-        ["Max concurrent sequences", str(engine.config.max_num_seqs)],
+        ["Max context", f"{info.max_model_len:,} tokens"],
+        ["Max concurrent sequences", str(info.max_num_seqs)],
     ]
 
 
-def _decode_step(engine) -> str:
+def _decode_step(info: EngineInfo) -> str:
     kind = {"native": "native (Tern's C++ step, all layers in one call)", "compiled": "compiled (torch.compile)",
-            "compiling": "eager, while the compiled step builds in the background"}.get(engine.decode_step, "eager")
-    return f"{kind}, replayed from CUDA graphs" if engine.decode_graphs else kind
+            "compiling": "eager, while the compiled step builds in the background"}.get(info.decode_step, "eager")
+    return f"{kind}, replayed from CUDA graphs" if info.decode_graphs else kind
 
 
 def live_stats(handle: EngineHandle) -> list[list[str]]:
@@ -137,13 +137,3 @@ def _first(value: str | None) -> str:
     """The first entry of a comma-separated forwarded header (one per proxy hop)."""
     return value.split(",")[0].strip() if value else ""
 
-
-def _dtype(engine) -> str:
-    return str(engine.dtype).removeprefix("torch.")
-
-
-def _kv_cache_bytes(engine) -> int:
-    cache = getattr(engine, "kv_cache", None)  # absent on the generic (recompute) path
-    if cache is None:
-        return 0
-    return cache.num_bytes

@@ -1,0 +1,34 @@
+"""EngineInfo: what an engine serves and how, as one frozen snapshot. It is the engine's description for everything
+outside engine/: the /v1/models card (api/models.py) and the UI's header and Server tab (ui/server.py) render it,
+so they describe the same engine the same way and read nothing else of its insides."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_name: str
+    num_parameters: int
+    has_chat_template: bool
+    device: str  # e.g. "cpu", "cuda:0"
+    dtype: str  # the compute dtype, e.g. "bfloat16"
+    quantization: str  # the mode served: what `--quantization auto` chose, when it was auto
+    weights: str  # how the weights are held, one line (LoadedModel.describe_weights)
+    weight_bytes: int  # quantized storage and scales included
+    bf16_weight_bytes: int  # the same weights in bf16
+    kv_cache_bytes: int  # 0 on the generic path, which keeps no cache
+    cpu_kernels: str  # the CPU kernel path and what serves each kind of work; "none (not a CPU)" elsewhere
+    decode_step: str  # native, compiled, compiling (eager serves until the compiled step is ready) or eager
+    decode_graphs: bool  # decode steps replay captured CUDA graphs
+    max_model_len: int  # longest prompt + completion, in tokens
+    max_num_seqs: int  # sequences decoded together
+    max_waiting: int  # requests queued beyond those before new ones get a 429
+
+    @property
+    def compiled_decode(self) -> bool:
+        return self.decode_step == "compiled"
+
+    @property
+    def weight_ratio_to_bf16(self) -> float:
+        return round(self.weight_bytes / max(self.bf16_weight_bytes, 1), 3)
