@@ -1,10 +1,13 @@
 """Tern's CPU matmul kernels against torch's own CPU ops on the default model's linear layers, in one run.
 
     .venv/bin/python bench/kernels.py [--rows 1 16 256] [--reps 5] [--path avx2]
+    .venv/bin/python bench/kernels.py --stack 1b --rows 1 16 128 --reps 7    # the 4-bit layouts on 1B shapes
 
-The stack is one decode step's matmuls of SmolLM2-135M: 30 layers of qkv (960x576), o (576x576), gate_up
-(3072x576) and down (576x1536), then the lm_head (49152x576); `rows` is the batch (1: one stream, 16: sixteen
-streams, 256: a prefill step). Every candidate runs on float32 activations, as the engine runs on CPUs without
+The default stack is one decode step's matmuls of SmolLM2-135M: 30 layers of qkv (960x576), o (576x576), gate_up
+(3072x576) and down (576x1536), then the lm_head (49152x576); `--stack 1b` is 4 layers of Llama-3.2-1B's (qkv
+3072x2048, o 2048x2048, gate_up 16384x2048, down 2048x8192; no head), where Q4_K's super-blocks fit, so the 4-bit
+layouts a GGUF's blocks go into (int4, q4 for Q4_0, q4k for Q4_K) are compared on the same nibbles. `rows` is the
+batch (1: one stream, 16: sixteen streams, 256: a prefill step). Every candidate runs on float32 activations, as the engine runs on CPUs without
 AVX512-BF16 (aten's int8pack/int4pack ops are given bf16 activations, their fast case, and converted back).
 Candidates alternate within each repetition; each figure is the median, and tok/s is rows over the stack's time.
 """
@@ -24,7 +27,11 @@ from engine import kernels  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
 from engine.kernels import layouts  # noqa: E402
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+STACKS = {
+    "smol": [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)],
+    "1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)] * 4,
+}
+SHAPES = STACKS["smol"]
 
 
 def candidates(cpu: kernels.CpuKernels) -> dict[str, callable]:
@@ -62,11 +69,31 @@ def candidates(cpu: kernels.CpuKernels) -> dict[str, callable]:
         weights = [torch.randn(n, k) for n, k in SHAPES]
         return lambda xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights]
 
+    def tern_4bit(layout: str):  # the same nibbles in each 4-bit layout
+        def build():
+            weights = []
+            for n, k in SHAPES:
+                q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+                if layout == "q4":
+                    weights.append((layouts.pack_q4(q, torch.rand(n, k // 32).half()), k, cpu.q4_mm))
+                elif layout == "q4k":
+                    levels = [torch.randint(0, 64, (n, k // 32), dtype=torch.uint8) for _ in range(2)]
+                    scales = [torch.rand(n, k // 256).half() / 100 for _ in range(2)]
+                    weights.append((layouts.pack_q4k(q, *levels, *scales), k, cpu.q4k_mm))
+                else:
+                    d, m = torch.rand(n, k // 32).half(), torch.rand(n, k // 32).half()
+                    weights.append((layouts.pack_int4(q, d, m), k, cpu.int4_mm))
+            return lambda xs: [matmul(xs[k], w) for w, k, matmul in weights]
+        return build
+
     found = {"aten fp32 (F.linear)": aten_fp32, "aten int8pack (bf16 activations)": aten_int8pack,
              "aten int4pack (bf16 activations)": aten_int4pack}
     if cpu.q8_mm is not None:
         found[f"Tern q8 ({cpu.path})"] = tern_q8
-    if cpu.int4_mm is not None:
+    if SHAPES is STACKS["1b"]:  # the 4-bit layouts against each other; no head
+        found = {f"Tern {layout} ({cpu.path})": tern_4bit(layout) for layout in ("int4", "q4", "q4k")
+                 if getattr(cpu, f"{layout}_mm") is not None}
+    elif cpu.int4_mm is not None:
         found[f"Tern int4 ({cpu.path})"] = tern_int4
     return found
 
@@ -76,14 +103,17 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--path", default=None, help="kernel path (default: what the engine would pick)")
+    parser.add_argument("--stack", choices=sorted(STACKS), default="smol")
     args = parser.parse_args()
+    global SHAPES
+    SHAPES = STACKS[args.stack]
     cpu = kernels.select(default_cache_dir(), args.path)
     built = {name: make() for name, make in candidates(cpu).items()}
     print(f"kernels: {cpu.describe()}; torch threads: {torch.get_num_threads()}\n")
     print("| rows | " + " | ".join(built) + " |")
     print("|---|" + "---|" * len(built))
     for rows in args.rows:
-        xs = {576: torch.randn(rows, 576), 1536: torch.randn(rows, 1536)}
+        xs = {k: torch.randn(rows, k) for k in {k for _, k in SHAPES}}
         times: dict[str, list[float]] = {name: [] for name in built}
         for _ in range(args.reps):
             for name, run in built.items():
