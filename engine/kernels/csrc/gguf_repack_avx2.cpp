@@ -50,6 +50,17 @@ inline uint32_t word_at(const uint8_t* p) {
 
 constexpr uint32_t kLowNibbles = 0x0F0F0F0Fu;
 
+// Sub-block j (32 values) of a Q4_K super-block as int4's 4 register words: each 32 bytes of the super-block's
+// nibbles hold sub-block 2c (low) and 2c + 1 (high).
+inline void q4_k_words(const uint8_t* super, int j, uint32_t* words) {
+  const uint8_t* qs = super + 16 + 32 * (j / 2);
+  for (int w = 0; w < 4; ++w) {
+    const uint32_t first = word_at(qs + 8 * w), second = word_at(qs + 8 * w + 4);
+    words[w] = j % 2 == 0 ? (first & kLowNibbles) | ((second & kLowNibbles) << 4)
+                          : ((first >> 4) & kLowNibbles) | (second & ~kLowNibbles);
+  }
+}
+
 // Block b (32 values) of a 4-bit row as layouts.pack_int4's 4 register words of that row (word j: columns
 // 8j..8j+3 in the low nibbles, 8j+4..8j+7 in the high ones), built from whole 32-bit words of the file's nibbles,
 // and the fp16 bits of d and m (w = d * q + m).
@@ -67,17 +78,12 @@ inline void int4_block(const uint8_t* row, int64_t b, uint32_t* words, uint16_t&
     std::memcpy(&d, block, 2);
     if constexpr (type == kQ4_1) std::memcpy(&m, block + 2, 2);
     else m = float_to_half(-8 * half_to_float(block));  // exact
-  } else {  // Q4_K: 144 bytes per 256 values; each 32 bytes of nibbles hold sub-block 2c (low) and 2c + 1 (high)
+  } else {  // Q4_K: 144 bytes per 256 values
     const uint8_t* block = row + (b / 8) * 144;
     const int j = static_cast<int>(b % 8);
     int scale, minimum;
     k_scale_min(block + 4, j, scale, minimum);
-    const uint8_t* qs = block + 16 + 32 * (j / 2);
-    for (int w = 0; w < 4; ++w) {
-      const uint32_t first = word_at(qs + 8 * w), second = word_at(qs + 8 * w + 4);
-      words[w] = j % 2 == 0 ? (first & kLowNibbles) | ((second & kLowNibbles) << 4)
-                            : ((first >> 4) & kLowNibbles) | (second & ~kLowNibbles);
-    }
+    q4_k_words(block, j, words);
     d = float_to_half(half_to_float(block) * static_cast<float>(scale));
     m = float_to_half(-(half_to_float(block + 2) * static_cast<float>(minimum)));
   }
@@ -286,8 +292,7 @@ void q4k_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
           top |= static_cast<uint32_t>(scale >> 4) << (2 * j) | static_cast<uint32_t>(minimum >> 4) << (16 + 2 * j);
           out[64 + 8 * j + r] = static_cast<uint8_t>((scale & 0x0F) | ((minimum & 0x0F) << 4));
           uint32_t words[4];
-          uint16_t d, m;
-          int4_block<kQ4_K>(row, s * 8 + j, words, d, m);
+          q4_k_words(super, j, words);  // the nibbles only: q4k keeps the scales as they are
           for (int w = 0; w < 4; ++w) std::memcpy(out + 128 + 128 * j + 32 * w + 4 * r, &words[w], 4);
         }
         std::memcpy(out + 32 + 4 * r, &top, 4);
