@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
 def _load_engine(handle: EngineHandle, config: EngineConfig) -> None:
     try:
         engine = Engine(config).start()
-        if engine.decode_step == "compiling":
+        if engine.info().decode_step == "compiling":
             # Ready means full speed: until the compiled step is built the eager one would serve at a fifth of its
             # speed, with the compile taking the cores from it, so /health says 503 until it is done.
             logger.info("building the compiled decode step before serving (seconds when the inductor cache has it, "

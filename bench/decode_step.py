@@ -58,7 +58,7 @@ def main() -> None:
     eager_runner = ModelRunner(runner.model, runner.kv_cache, device, eager_path, engine.allocator,
                                engine.config.max_num_seqs, engine.max_model_len)
     weight_bytes = engine.loaded.weight_bytes
-    fast = "CUDA graphs" if engine.decode_graphs else engine.decode_step
+    fast = "CUDA graphs" if engine.info().decode_graphs else engine.info().decode_step
     blocks_per_seq = -(-(args.context + 1) // engine.kv_cache.block_size)
     print(f"\nmodel {engine.model_name}, {engine.dtype}, {engine.loaded.describe_weights()}, {device}, "
           f"context {args.context}, {fast} step vs eager step, median of {args.reps} x {args.steps} steps\n")

@@ -138,7 +138,7 @@ async def main_async(args) -> dict:
                            "ratio": results[half]["tokens_per_s"] / results[0]["tokens_per_s"]})
         return {
             "cpu": _cpu_flags(), "machine": platform.machine(), "quantization": engine.loaded.quantization,
-            "dtype": str(engine.dtype), "decode_step": engine.decode_step, "streams": args.streams,
+            "dtype": str(engine.dtype), "decode_step": engine.info().decode_step, "streams": args.streams,
             "max_tokens": args.max_tokens, "seconds": args.seconds, "rounds": rounds,
             "median_ratio": statistics.median(r["ratio"] for r in rounds),
         }

@@ -1,8 +1,8 @@
 """Tern's decode engine: paged KV cache, continuous batching, sampling, stops and logprobs. No web code here."""
 from engine.config import EngineConfig
-from engine.engine import Engine, EngineStats
+from engine.engine import Engine
 from engine.handle import EngineHandle
-from engine.info import EngineInfo
+from engine.info import EngineInfo, EngineStats
 from engine.errors import (
     ContextLengthExceededError,
     DrainingError,

@@ -89,6 +89,10 @@ def build_runner(config: EngineConfig, loaded: LoadedModel, kv_cache: KVCache | 
     step, compiles and captures as planned), or the generic path's RecomputeRunner. `on_compiled` is called from
     the compile's thread when a background compile ends, so the engine thread frees its reserved blocks."""
     path = plan_decode_path(config, loaded, kv_cache)
+    if loaded.device.type == "cuda":
+        # cuDNN's SDPA (PyTorch's first choice on Hopper) builds a plan per new sequence length, ~0.2 s each:
+        # every prompt of a new length would pay it. Flash and memory-efficient attention do not.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if not loaded.is_native:
         return RecomputeRunner(loaded.model, loaded.device, loaded.tokenizer.pad_token_id or 0)
     return ModelRunner(loaded.model, kv_cache, loaded.device, path, allocator, config.max_num_seqs, max_model_len,

@@ -1,9 +1,11 @@
-"""EngineInfo: what an engine serves and how, as one frozen snapshot. It is the engine's description for everything
-outside engine/: the /v1/models card (api/models.py) and the UI's header and Server tab (ui/server.py) render it,
-so they describe the same engine the same way and read nothing else of its insides."""
+"""EngineInfo, what an engine serves and how, as one frozen snapshot; EngineStats, what it is doing now.
+
+They are the engine's description for everything outside engine/: the /v1/models card (api/models.py), /metrics
+and the UI's header and Server tab (ui/server.py) render them, so they describe the same engine the same way and
+read nothing else of its insides."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -32,3 +34,25 @@ class EngineInfo:
     @property
     def weight_ratio_to_bf16(self) -> float:
         return round(self.weight_bytes / max(self.bf16_weight_bytes, 1), 3)
+
+
+@dataclass
+class EngineStats:
+    """Engine.stats(): counters and queue sizes now; any thread may ask."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int  # by requests (their prompts, outputs and cached prefixes)
+    num_kv_blocks_free: int
+    num_preemptions: int
+    tokens_per_s: float  # generated tokens per second over the last few seconds
+    num_prefix_cache_hits: int = 0  # KV blocks reused from the prefix cache since start
+    num_steps: int = 0  # model steps run since start, for every caller (the API, the UI, scoring)
+    num_generated_tokens: int = 0  # tokens sampled since start, for every caller
+    num_kv_blocks_reserved: int = 0  # held by the engine itself: the compiled decode step's warm-up, while it runs
+    decode_steps: dict[str, int] = field(default_factory=dict)  # decode steps run, by what ran them (Runner)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        total = self.num_kv_blocks_used + self.num_kv_blocks_free
+        return self.num_kv_blocks_used / total if total else 0.0

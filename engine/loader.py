@@ -388,3 +388,17 @@ def _cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def load_leaving_a_core(config: EngineConfig) -> LoadedModel:
+    """loader.load on one intra-op thread fewer than the steps use. The server builds its web app (Python, a core's
+    work) while the model loads; on 2 cores a 2-thread OpenMP team then waits in each of the load's thousands of
+    small parallel regions for the thread the OS has parked. On the 2-core VM with other processes running, the
+    default model loaded in 2.3-3.0 s on 2 threads and 0.5-0.6 s on 1 (a 1B Q4_0 file: 11-12 s and 3-5 s). The
+    count is this thread's own (OpenMP's), restored before any step runs."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(max(num_threads - 1, 1))
+    try:
+        return load(config, repack_threads=num_threads)
+    finally:
+        torch.set_num_threads(num_threads)

@@ -122,6 +122,11 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def has_token_budget(self) -> bool:
+        """Whether max_tokens allows another output token (a prompt-only request, max_tokens 0, never samples)."""
+        return self.num_output_tokens < self.max_tokens
+
+    @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 

@@ -32,7 +32,7 @@ class ScheduledBatch:
         # A sequence still prefilling a chunk of its prompt samples nothing yet, nor does a prompt-only request
         # (max_tokens 0: echo, scoring).
         is_last_chunk = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
-        self.samples.append(is_last_chunk and seq.num_output_tokens < seq.max_tokens)
+        self.samples.append(is_last_chunk and seq.has_token_budget)
         self.wants_prompt_logits.append(seq.wants_prompt_logprobs)
 
     def __len__(self) -> int:

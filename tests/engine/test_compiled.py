@@ -91,7 +91,7 @@ def test_compiled_decode_gives_the_eager_twins_tokens(default_tokenizer, dtype, 
         eager.stop()
     compiled = _engine(default_tokenizer, dtype, mode, compile=True, max_num_seqs=34)
     try:
-        assert compiled.wait_for_compiled_decode(timeout_s=600) and compiled.decode_step == "compiled"
+        assert compiled.wait_for_compiled_decode(timeout_s=600) and compiled.info().decode_step == "compiled"
         ours = _outputs(compiled, prompts)
     finally:
         compiled.stop()
@@ -126,15 +126,15 @@ def test_requests_are_served_while_the_compiled_step_builds_and_it_takes_over_af
     engine = _engine(default_tokenizer, "float32", "none", compile=True, max_num_seqs=4)
     try:
         prompts = _prompts(3)
-        assert engine.decode_step == "compiling"
+        assert engine.info().decode_step == "compiling"
         during = [c.choices[0].token_ids for c in engine.generate(prompts, PARAMS)]
-        assert engine.decode_step == "compiling" and not engine.compiled_decode
+        assert engine.info().decode_step == "compiling" and not engine.info().compiled_decode
         # The warm-up's blocks are the engine's own, not in use by a request: a client counting leaked blocks
         # on an idle server (bench/soak.py) must see none while it compiles.
         stats = engine.stats()
         assert (stats.num_kv_blocks_used, stats.num_kv_blocks_reserved) == (0, WARMUP_BLOCKS)
         may_compile.set()
-        assert engine.wait_for_compiled_decode(timeout_s=600) and engine.decode_step == "compiled"
+        assert engine.wait_for_compiled_decode(timeout_s=600) and engine.info().decode_step == "compiled"
         after = [c.choices[0].token_ids for c in engine.generate(prompts, PARAMS)]
         assert after == during
         # The blocks the warm-up decoded into went back to the pool: nothing running holds a block.
@@ -186,7 +186,7 @@ def test_eager_steps_do_not_fail_while_the_background_compile_traces(default_tok
 
 def test_compile_where_unsupported_runs_eager_and_still_serves(tiny_engine_factory):
     engine, _ = tiny_engine_factory("gpt2", compile=True)  # the generic transformers path is never compiled
-    assert not engine.compiled_decode and engine.decode_step == "eager"
+    assert not engine.info().compiled_decode and engine.info().decode_step == "eager"
     [completion] = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(completion.choices[0].token_ids) == 4
 

@@ -38,7 +38,7 @@ def _padded_twin(factory, monkeypatch, **engine_config):
     with monkeypatch.context() as patch:
         patch.setattr(decode_path, "plan_decode_path", lambda *args: dataclasses.replace(planned(*args), graphs=True))
         padded, _ = factory("llama", device="cpu", **engine_config)
-    assert padded.decode_graphs and not plain.decode_graphs and not padded.runner.graphs.capture
+    assert padded.info().decode_graphs and not plain.info().decode_graphs and not padded.runner.graphs.capture
     return plain, padded
 
 
@@ -81,8 +81,8 @@ def test_padding_rows_write_only_the_scratch_slot(tiny_engine_factory, monkeypat
 def test_captured_decode_gives_the_eager_tokens_on_cuda(tiny_engine_factory, compile):
     plain, _ = tiny_engine_factory("llama", device="cuda", cuda_graphs=False)
     graphed, _ = tiny_engine_factory("llama", device="cuda", compile=compile)
-    assert graphed.decode_graphs and not plain.decode_graphs
-    assert graphed.compiled_decode == compile
+    assert graphed.info().decode_graphs and not plain.info().decode_graphs
+    assert graphed.info().compiled_decode == compile
     prompts = _prompts(11, seed=4) + [_prompts(1, seed=5)[0] * 40][:1]
     prompts[-1] = prompts[-1][:250]  # crosses into the second context bucket
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)

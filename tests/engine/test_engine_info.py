@@ -16,7 +16,7 @@ def test_info_describes_the_engine_as_it_runs_on_either_path(default_tokenizer, 
     try:
         info = engine.info()
         assert (info.max_num_seqs, info.max_waiting) == (4, 7)
-        assert info.decode_step == engine.decode_step and info.device == "cpu" and info.dtype == "float32"
+        assert info.decode_step == engine.runner.decode_step and info.device == "cpu" and info.dtype == "float32"
         assert info.weight_bytes == loaded.weight_bytes and 0 < info.weight_ratio_to_bf16
         if model_type == "llama":  # the native path's KV pool, counted in the Server tab's memory
             assert info.kv_cache_bytes == engine.kv_cache.num_bytes > 0

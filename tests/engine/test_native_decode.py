@@ -74,7 +74,7 @@ def test_native_decode_gives_the_eager_twins_tokens(default_tokenizer, path_kern
     for native in (False, True):
         engine = _engine(default_tokenizer, path_kernels, model_type, mode, native, **overrides)
         try:
-            assert engine.decode_step == ("native" if native else "eager")
+            assert engine.info().decode_step == ("native" if native else "eager")
             if mode == "q4":
                 assert any(type(m) is layers.PackedQ4Linear for m in engine.runner.model.modules())
             results[native] = _outputs(engine, prompts)
@@ -134,7 +134,7 @@ def test_where_the_native_step_cannot_serve_the_engine_says_why_and_decodes_in_p
             if cpu.path == "off":
                 reason = "kernel path is off"
             assert reason in native_decode.unsupported_reason(loaded.model, engine.kv_cache, cpu, dtype)
-            assert engine.decode_step == "eager" and engine.runner.native_step is None
+            assert engine.info().decode_step == "eager" and engine.runner.native_step is None
             assert reason in engine.runner.path.reason
             [completion] = engine.generate([[5, 6, 7]], PARAMS)
             assert len(completion.choices[0].token_ids) == PARAMS.max_tokens
