@@ -99,8 +99,7 @@ class Generation:
     def abort(self) -> None:
         """Abort every engine request not finished yet: the engine frees their KV blocks at its next step."""
         for stream in self._streams:
-            if not stream.finished:
-                self.engine.abort(stream.request_id)
+            stream.close()
 
     def _observe(self, sample: Sample, out: RequestOutput) -> None:
         now = time.monotonic()

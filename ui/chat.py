@@ -110,8 +110,7 @@ async def generate_reply(
     except Exception as exc:  # a failure delivered mid-stream; the conversation so far stays usable
         yield render_chatbot(history, session.show_probs), history, report_error(exc)
     finally:
-        if not stream.finished:  # stopped early: free the engine's KV blocks now
-            engine.abort(stream.request_id)
+        stream.close()  # stopped early (Stop, a closed tab): the engine frees its KV blocks now
         ended.set()
 
 

@@ -45,8 +45,7 @@ async def complete_text(
     except Exception as exc:  # a failure delivered mid-stream
         yield text, render_tokens_html(tokens) if show_logprobs else "", report_error(exc)
     finally:
-        if not stream.finished:  # Stop pressed or the tab closed: free the engine's KV blocks now
-            engine.abort(stream.request_id)
+        stream.close()  # Stop pressed or the tab closed: the engine frees its KV blocks now
 
 
 def build_complete_tab(handle: EngineHandle) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -326,6 +327,36 @@ def test_cancelled_async_consumer_aborts_its_request(tiny_engine_factory):
 
     asyncio.run(main())
     _wait_until(lambda: engine.stats().num_running == 0 and engine.stats().num_kv_blocks_used == 0)
+
+
+def test_a_consumer_that_closes_its_stream_aborts_the_request(tiny_engine_factory):
+    """Nobody calls engine.abort: leaving the stream (contextlib.aclosing, closing) ends the request early and
+    frees its blocks, while the consumer's event loop is still alive to receive the rest."""
+    engine, _ = tiny_engine_factory()
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    def ended_early(tokens_before: int) -> bool:
+        _wait_until(lambda: not engine.has_requests and engine.stats().num_kv_blocks_used == 0)
+        return engine.stats().num_generated_tokens - tokens_before < 400
+
+    blocking = engine.submit([8, 9, 10], long)
+    with contextlib.closing(blocking):
+        assert next(blocking).token_ids
+    assert ended_early(0)
+
+    async def read_one_then_leave() -> bool:
+        tokens_before = engine.stats().num_generated_tokens
+        stream = engine.submit([5, 6, 7], long)
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                assert out.token_ids
+                break
+        deadline = time.monotonic() + 30
+        while engine.has_requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)  # the loop stays alive: outputs could still be delivered
+        return ended_early(tokens_before)
+
+    assert asyncio.run(read_one_then_leave())
 
 
 def test_many_threads_submitting_at_once(tiny_engine_factory):
