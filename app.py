@@ -236,7 +236,8 @@ def start_loading(handle: EngineHandle, config: EngineConfig) -> threading.Threa
 def main(argv: list[str] | None = None) -> int:
     server, engine_config, prepare_only = parse_args(argv)
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine import kernels, loader
+    from engine import kernels
+    from engine.weights import loader
     from pathlib import Path
 
     cache_dir = Path(engine_config.cache_dir) if engine_config.cache_dir else loader.default_cache_dir()

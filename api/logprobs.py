@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from engine import TokenLogprob
-from engine.stops import OutputText
+from engine.text.stops import OutputText
 
 # OpenAI's stand-in for minus infinity (JSON has no infinities).
 MIN_LOGPROB = -9999.0

@@ -206,7 +206,7 @@ class CompletionRequest(SamplingRequest):
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """The messages as the engine renders them (engine/tokens.py render_chat): text content only; `developer` is a
+    """The messages as the engine renders them (engine/text/tokens.py render_chat): text content only; `developer` is a
     system prompt; an assistant's tool_calls and a tool's tool_call_id kept in OpenAI's shape."""
     rendered = []
     for i, message in enumerate(messages):

@@ -14,7 +14,7 @@ from typing import Any
 
 import jsonschema
 from engine import Engine, GrammarError
-from engine.grammar import Grammar
+from engine.text.grammar import Grammar
 
 from api import tools as tool_calls
 from api.errors import OpenAIError

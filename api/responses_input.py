@@ -57,7 +57,7 @@ class ResponsesRequest(_Body):
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
-    """The input as chat messages in OpenAI's chat shape (what engine/tokens.py renders): consecutive function
+    """The input as chat messages in OpenAI's chat shape (what engine/text/tokens.py renders): consecutive function
     calls join one assistant turn, their outputs become `tool` messages."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]

@@ -1,5 +1,5 @@
 """Function tools, for /v1/chat/completions and /v1/responses: definitions checked, tool_choice resolved to the
-engine's ToolUse (engine/tool_calls.py says how calls are written, held to a grammar and parsed back), and each
+engine's ToolUse (engine/text/tool_calls.py says how calls are written, held to a grammar and parsed back), and each
 sample's reply split into text and calls as it streams.
 
 What OpenAI's contract asks and Tern follows: `tool_choice` defaults to "auto" with tools and "none" without;
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import jsonschema
 
 from engine import Engine, GrammarError
-from engine.grammar import Grammar
-from engine.tool_calls import CallDelta, Function, ReplyParser, ToolUse
+from engine.text.grammar import Grammar
+from engine.text.tool_calls import CallDelta, Function, ReplyParser, ToolUse
 
 from api.errors import OpenAIError
 

@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import Engine, EngineConfig  # noqa: E402
-from engine.compiled import WarmupSequence  # noqa: E402
-from engine.runner import ModelRunner  # noqa: E402
+from engine.decode.compiled import WarmupSequence  # noqa: E402
+from engine.decode.runner import ModelRunner  # noqa: E402
 from engine.scheduler import ScheduledBatch  # noqa: E402
 
 

@@ -24,7 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import Engine, EngineConfig, SamplingParams, loader  # noqa: E402
+from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+
+from engine.weights import loader
 
 QUESTIONS = [
     "Tell me a story about a lighthouse keeper.",

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.append(str(Path(__file__).resolve().parent))
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from engine.loader import default_gguf_path  # noqa: E402
+from engine.weights.loader import default_gguf_path  # noqa: E402
 from rounds import kernel_flags  # noqa: E402
 
 TEXT = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
@@ -83,8 +83,8 @@ def tern_perplexity(model: Path, quantization: str, dtype: str, add_bos: bool, c
                     chunks: int) -> tuple[float, str]:
     """Tern's perplexity, and what served each tensor type (the loader's summary line, e.g. "112 Q4_0 as q4")."""
     served = LastMessage()
-    logging.getLogger("engine.streamed_load").addHandler(served)
-    logging.getLogger("engine.streamed_load").setLevel(logging.INFO)
+    logging.getLogger("engine.weights.streamed_load").addHandler(served)
+    logging.getLogger("engine.weights.streamed_load").setLevel(logging.INFO)
     engine = Engine(EngineConfig(model=str(model), quantization=quantization, dtype=dtype, max_model_len=ctx + 8,
                                  compile=False)).start()
     try:
@@ -97,7 +97,7 @@ def tern_perplexity(model: Path, quantization: str, dtype: str, add_bos: bool, c
         return math.exp(nll / count), served.message.split(": ", 1)[-1]
     finally:
         engine.stop()
-        logging.getLogger("engine.streamed_load").removeHandler(served)
+        logging.getLogger("engine.weights.streamed_load").removeHandler(served)
 
 
 def main() -> None:

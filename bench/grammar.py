@@ -1,6 +1,6 @@
 """Grammar engines for structured output, side by side: schema compile time and per-token mask time.
 
-    .venv/bin/python bench/grammar.py                       # llguidance, as Tern uses it (engine/grammar.py)
+    .venv/bin/python bench/grammar.py                       # llguidance, as Tern uses it (engine/text/grammar.py)
     pip install --no-deps --target /tmp/xgr xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
     PYTHONPATH=/tmp/xgr .venv/bin/python bench/grammar.py   # both (xgrammar's triton dependency is not needed on CPU)
 
@@ -8,7 +8,7 @@ For each schema: the time to compile it (first compile: nothing cached), then th
 over the default model's 49,152-token vocabulary, averaged over the tokens of a valid instance (JSON indented by 2,
 as the default model writes it) as the tokenizer splits it (mask, then consume the token, as a decode step does).
 Both allow whitespace between JSON tokens, at most 20 characters at a time. Medians of --reps runs. Last, what
-applying a mask to one row of logits costs Tern's sampler (engine.grammar.mask_logits, one torch thread).
+applying a mask to one row of logits costs Tern's sampler (engine.text.grammar.mask_logits, one torch thread).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.loader import default_cache_dir, resolve_checkpoint  # noqa: E402
+from engine.weights.loader import default_cache_dir, resolve_checkpoint  # noqa: E402
 
 SCHEMAS: dict[str, tuple[dict, object]] = {
     "json_object": ({"type": "object"}, {"name": "Ada", "tags": ["x", 1, None, True], "nested": {"k": 2.5}}),
@@ -101,7 +101,7 @@ def main() -> None:
 
 
 def _apply_cost(tokenizer, vocab_size: int, reps: int) -> None:
-    from engine.grammar import GrammarCompiler, mask_logits
+    from engine.text.grammar import GrammarCompiler, mask_logits
 
     grammar = GrammarCompiler(tokenizer, vocab_size, frozenset({tokenizer.eos_token_id})).json_object()
     for rows in (1, 16):
@@ -117,7 +117,7 @@ def _apply_cost(tokenizer, vocab_size: int, reps: int) -> None:
 def _llguidance(tokenizer, vocab_size):
     import llguidance
 
-    from engine.grammar import GrammarCompiler
+    from engine.text.grammar import GrammarCompiler
 
     def setup():
         compiler = GrammarCompiler(tokenizer, vocab_size, frozenset({tokenizer.eos_token_id}))

@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from engine import quant  # noqa: E402
-from engine.loader import choose_device, choose_dtype  # noqa: E402
+from engine.weights import quant  # noqa: E402
+from engine.weights.loader import choose_device, choose_dtype  # noqa: E402
 
 
 def _bench_engine_module():

@@ -10,7 +10,7 @@ shortest valid value (12 birds) is longer than that, so both kinds run the same 
 the grammar. Rounds alternate, free then mixed, then mixed then free, and so on; the ratio is taken within a round.
 
 Reported per run: generated tokens/s over all streams (and of the constrained half), the ratio mixed / free, and
-the grammar's own time per step on the engine thread: computing and applying the masks (engine.grammar.mask_logits)
+the grammar's own time per step on the engine thread: computing and applying the masks (engine.text.grammar.mask_logits)
 and advancing each sequence's matcher past its new token (GrammarMatcher.accept), timed by wrapping both.
 """
 from __future__ import annotations
@@ -28,7 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from engine import grammar, sampler  # noqa: E402
+from engine import sampler  # noqa: E402
+from engine.text import grammar
 
 BIRDS = {
     "type": "object",

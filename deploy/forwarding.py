@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 
 from engine.kv_cache import block_hash
-from engine.tokens import TokenizerView
+from engine.text.tokens import TokenizerView
 
 REPLICA_HEADER = "x-tern-replica"  # every answer names the replica that gave it
 REPLICA_COOKIE = "tern-replica"  # a browser's UI session stays on one replica (Gradio keeps its sessions in memory)

@@ -4,13 +4,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine import EngineConfig
-from engine.tokens import TokenizerView
+from engine.text.tokens import TokenizerView
 
 
 def load_tokenizer(engine_config: EngineConfig) -> TokenizerView:
     from transformers import AutoTokenizer
 
-    from engine import loader
+    from engine.weights import loader
 
     cache_dir = Path(engine_config.cache_dir) if engine_config.cache_dir else loader.default_cache_dir()
     folder, _ = loader.resolve_checkpoint(engine_config.model, cache_dir)

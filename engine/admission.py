@@ -10,8 +10,8 @@ import torch
 from engine.errors import ContextLengthExceededError, InvalidRequestError
 from engine.params import SamplingParams
 from engine.request import Request, Sequence
-from engine.stops import OutputText
-from engine.tokens import TokenizerView
+from engine.text.stops import OutputText
+from engine.text.tokens import TokenizerView
 
 
 def validate_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:

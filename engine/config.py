@@ -7,7 +7,7 @@ from pathlib import Path
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("auto", "none", "int8", "int4", "bnb-int8", "bnb-nf4", "bnb-fp4")  # see engine/quant.py
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "bnb-int8", "bnb-nf4", "bnb-fp4")  # see engine/weights/quant.py
 
 
 @dataclass(frozen=True)
@@ -21,9 +21,9 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequences decoded together in one step
     max_num_batched_tokens: int | None = None  # tokens in one forward (longer prompts are prefilled in chunks);
     # None: batched_tokens_for(device), small on CPU
-    native_decode: bool = True  # on CPU, decode steps of int8/int4 fp32 models run in C++ (engine/native_decode.py)
+    native_decode: bool = True  # on CPU, decode steps of int8/int4 fp32 models run in C++ (engine/decode/native_decode.py)
     compile: bool = False  # torch.compile the decode step where the native one does not serve; prefill stays eager
-    cuda_graphs: bool = True  # on CUDA (native path), decode steps replay captured graphs; see engine/cuda_graphs.py
+    cuda_graphs: bool = True  # on CUDA (native path), decode steps replay captured graphs; see engine/decode/cuda_graphs.py
     enable_prefix_caching: bool = True  # reuse cached KV blocks of a shared prompt prefix (native path)
     max_waiting: int = 256  # queued sequences beyond which submit() refuses (backpressure)
     block_size: int = 16  # tokens per KV-cache block

@@ -10,22 +10,24 @@ import threading
 import time
 import uuid
 
-from engine import loader, scoring
+from engine import scoring
+
+from engine.weights import loader
 from engine.admission import SequenceFactory, validate_request
 from engine.config import EngineConfig, batched_tokens_for
-from engine.decode_path import build_runner
-from engine.grammar import GrammarCompiler
+from engine.decode.decode_path import build_runner
+from engine.text.grammar import GrammarCompiler
 from engine.inbox import Inbox
 from engine.info import EngineInfo, EngineStats
 from engine.kv_cache import BlockAllocator, KVCache
 from engine.kv_plan import plan_kv_cache
-from engine.loader import LoadedModel
+from engine.weights.loader import LoadedModel
 from engine.outputs import Completion, ContinuationScore
 from engine.postprocess import Postprocessor
 from engine.request import Request
 from engine.scheduler import Scheduler
 from engine.stream import RequestStream
-from engine.tokens import TokenizerView
+from engine.text.tokens import TokenizerView
 
 logger = logging.getLogger(__name__)
 

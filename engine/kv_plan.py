@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache, blocks_needed
-from engine.loader import LoadedModel
+from engine.weights.loader import LoadedModel
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from engine.grammar import Grammar
+    from engine.text.grammar import Grammar
 
 MAX_LOGPROBS = 20
 # Bounds on what one request may make every step do: each stop string is searched for after every token, and each
@@ -41,7 +41,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob plus k alternatives
     prompt_logprobs: int | None = None  # None: none; k >= 0: logprobs of every prompt token plus k alternatives
     skip_special_tokens: bool = True
-    grammar: Grammar | None = None  # structured output (engine/grammar.py): tokens it does not allow are masked
+    grammar: Grammar | None = None  # structured output (engine/text/grammar.py): tokens it does not allow are masked
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))

@@ -12,7 +12,7 @@ from collections import deque
 from engine.errors import GrammarError, StepFailedError
 from engine.outputs import FINISH_ABORT, RequestOutput
 from engine.request import Request, Sequence, TokenLogprob
-from engine.runner import StepLogits
+from engine.decode.runner import StepLogits
 from engine.sampler import sample
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.stream import RequestStream

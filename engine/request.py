@@ -23,7 +23,7 @@ class TokenLogprob:
     Logprobs are of the model's raw distribution (log-softmax of the logits before temperature, penalties or
     truncation), like vLLM's default: they mean the same whatever the sampling settings, and scoring relies on
     that. Under a grammar (structured output) they are of that distribution restricted to the tokens the grammar
-    allows, renormalised, as vLLM v1 reports them (engine/grammar.py).
+    allows, renormalised, as vLLM v1 reports them (engine/text/grammar.py).
     """
 
     token_id: int
@@ -101,7 +101,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # content hash of each full block of block_table (prefix caching)
         self.status = SequenceStatus.WAITING
         self.generator = generator
-        self.output_text = output_text  # engine.stops.OutputText
+        self.output_text = output_text  # engine.text.stops.OutputText
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.max_tokens: int = 0  # resolved against the context length at submit

@@ -3,13 +3,13 @@ top-k/top-p/min-p, seeds.
 
 Every sequence samples with its own torch.Generator, so a seeded request draws the same tokens whatever else
 shares its batch. A sequence with a grammar (structured output) has the tokens it forbids masked before anything
-else, logprobs included (engine/grammar.py says why).
+else, logprobs included (engine/text/grammar.py says why).
 """
 from __future__ import annotations
 
 import torch
 
-from engine.grammar import mask_logits
+from engine.text.grammar import mask_logits
 from engine.request import Sequence, TokenLogprob, token_logprob
 
 

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from engine.errors import DrainingError, InvalidRequestError
 from engine.outputs import FINISH_ABORT, Completion, ContinuationScore
 from engine.params import SamplingParams
-from engine.tokens import TokenizerView
+from engine.text.tokens import TokenizerView
 
 _PROMPT_ONLY = SamplingParams(max_tokens=0, prompt_logprobs=1)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, kernels
-from engine.loader import LoadedModel, build_native, default_cache_dir, default_gguf_path, dequantized_checkpoint
+from engine.weights.loader import LoadedModel, build_native, default_cache_dir, default_gguf_path, dequantized_checkpoint
 from engine.models import NATIVE_MODELS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,7 +122,7 @@ def tiny_quantized_engine(model_type: str, mode: str, tokenizer, device: str = "
                           path: kernels.CpuKernels | None = None, **engine_config):
     """(engine on the tiny model quantized with `mode` and packed for `path`'s kernels, float transformers twin
     with the same weights)."""
-    from engine import quant
+    from engine.weights import quant
 
     hf_model, loaded = build_tiny(tiny_config(model_type), tokenizer, seed=0, device=device, dtype=getattr(torch, dtype),
                                   path=path)

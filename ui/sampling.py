@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import gradio as gr
 
 from engine import InvalidRequestError, SamplingParams
-from engine.grammar import Grammar
+from engine.text.grammar import Grammar
 
 MAX_TOKENS_LIMIT = 4096  # the slider's top; the engine still refuses prompt + max tokens beyond the context
 NUM_TOP_ALTERNATIVES = 5  # alternatives shown per token in the probability views

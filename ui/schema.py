@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import jsonschema
 
 from engine import FINISH_ABORT, Engine, GrammarError, InvalidRequestError
-from engine.grammar import Grammar
+from engine.text.grammar import Grammar
 
 # A plain check mark, not the emoji: it shows in fonts without emoji too (headless chromium drew a box).
 VALID_MARK = "\u2713 Valid JSON: it matches the schema."

@@ -57,7 +57,7 @@ class CpuKernels:
     bf16_mm: Callable | None = None  # (x [M, K] bf16, layouts.pack_bf16 weight) -> [M, N] bf16
     decode_attention: Callable | None = None  # (q, k_cache, v_cache, context_slots, context_lens, scale)
     # (raw uint8 [rows, bytes per row] of a GGUF matrix, ggml type id, columns, layout: GGUF_REPACK_LAYOUTS[name],
-    # out=None) -> that layout's bytes (written into `out` where given), at load time; None: engine/gguf_blocks.py's
+    # out=None) -> that layout's bytes (written into `out` where given), at load time; None: engine/weights/gguf_blocks.py's
     # torch twins do it
     gguf_repack: Callable | None = None
 

@@ -9,12 +9,12 @@ from collections import Counter
 
 import torch
 
-from engine.runner import StepLogits
+from engine.decode.runner import StepLogits
 from engine.scheduler import ScheduledBatch
 
 
 class RecomputeRunner:
-    """engine.runner.Runner for the generic path: every step eager, nothing compiled, captured or reserved."""
+    """engine.decode.runner.Runner for the generic path: every step eager, nothing compiled, captured or reserved."""
 
     decode_step = "eager"
     decode_graphs = False

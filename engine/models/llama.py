@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from engine.models.attention import AttentionMetadata, paged_attention
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # the config.model_type values LlamaForCausalLM serves
-# Served layers built from several checkpoint tensors (fuse_projections; engine/streamed_load.py): by module name.
+# Served layers built from several checkpoint tensors (fuse_projections; engine/weights/streamed_load.py): by module name.
 FUSED_FROM = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 

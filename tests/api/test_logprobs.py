@@ -7,7 +7,7 @@ import pytest
 
 from api.logprobs import MIN_LOGPROB, chat_logprobs, completion_logprobs, merge_logprobs, text_offsets, visible_logprobs
 from engine import TokenLogprob
-from engine.tokens import TokenizerView
+from engine.text.tokens import TokenizerView
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.compiled import WARMUP_BLOCKS
+from engine.decode.compiled import WARMUP_BLOCKS
 from conftest import cpu_kernels, tiny_quantized_engine
 
 # logprobs=5: a tiny random model's next-token distribution is nearly flat, and in bf16 three or more candidates
@@ -113,7 +113,7 @@ def test_compiled_decode_gives_the_eager_twins_tokens(default_tokenizer, dtype, 
 def test_requests_are_served_while_the_compiled_step_builds_and_it_takes_over_after(default_tokenizer, monkeypatch):
     """Compiling takes minutes on a small CPU: the eager step answers meanwhile, and the same tokens come from the
     compiled step once it has taken over."""
-    from engine.runner import ModelRunner
+    from engine.decode.runner import ModelRunner
 
     may_compile = threading.Event()
     warm_up = ModelRunner.warm_up

@@ -9,8 +9,10 @@ import dataclasses
 import pytest
 import torch
 
-from engine import SamplingParams, decode_path
-from engine.cuda_graphs import batch_buckets, context_buckets
+from engine import SamplingParams
+
+from engine.decode import decode_path
+from engine.decode.cuda_graphs import batch_buckets, context_buckets
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

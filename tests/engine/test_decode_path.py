@@ -8,13 +8,17 @@ import threading
 import torch
 from conftest import build_tiny, cpu_kernels, tiny_config
 
-from engine import EngineConfig, compiled, quant
-from engine.compiled import WARMUP_BLOCKS
-from engine.decode_path import build_runner, plan_decode_path
+from engine import EngineConfig
+
+from engine.decode import compiled
+
+from engine.weights import quant
+from engine.decode.compiled import WARMUP_BLOCKS
+from engine.decode.decode_path import build_runner, plan_decode_path
 from engine.kv_cache import BlockAllocator, KVCache
 from engine.params import SamplingParams
 from engine.request import Request, Sequence
-from engine.runner import ModelRunner
+from engine.decode.runner import ModelRunner
 from engine.scheduler import Scheduler
 
 NUM_BLOCKS = 32

@@ -18,12 +18,12 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, quants
 from conftest import require_op
 
 from engine import Engine, EngineConfig, ModelLoadError, SamplingParams
-from engine import gguf_blocks
-from engine.gguf_blocks import GGUF_TYPES
+from engine.weights import gguf_blocks
+from engine.weights.gguf_blocks import GGUF_TYPES
 from engine.kernels import GGUF_REPACK_LAYOUTS, layouts
-from engine.layers import (Int4Embedding, Int4Linear, Q4Embedding, Q4KEmbedding, Q4KLinear, Q4Linear, Q8Embedding,
+from engine.weights.layers import (Int4Embedding, Int4Linear, Q4Embedding, Q4KEmbedding, Q4KLinear, Q4Linear, Q8Embedding,
                            Q8Linear)
-from engine.loader import default_gguf_path
+from engine.weights.loader import default_gguf_path
 
 BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q4_K: (256, 144), T.Q5_0: (32, 22), T.Q6_K: (256, 210),
          T.Q8_0: (32, 34)}
@@ -211,7 +211,7 @@ def test_the_kernel_librarys_repacking_gives_its_plain_twins_bytes(ggml_type, pa
     """At load time the kernel library repacks a GGUF matrix in one pass (CpuKernels.gguf_repack); its twins are
     gguf_blocks' torch repacking (int4) and gguf's de-quantizer followed by quant.quantize_q8 (q8): the same bytes,
     so the file's values (or their q8 rounding) do not depend on whether a kernel path was built."""
-    from engine import quant
+    from engine.weights import quant
 
     repack = require_op(path_kernels.gguf_repack, "GGUF repacking")
     rows, cols = 40, 1024
@@ -266,9 +266,9 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
     path: without kernels aten's int4pack re-packs them in its own way.)"""
     from transformers import AutoConfig
 
-    from engine.gguf_file import GgufFile
-    from engine.loader import gguf_metadata
-    from engine.streamed_load import build_model
+    from engine.weights.gguf_file import GgufFile
+    from engine.weights.loader import gguf_metadata
+    from engine.weights.streamed_load import build_model
 
     hf_config = AutoConfig.from_pretrained(gguf_metadata(tiny_gguf, tmp_path))
     model = build_model(GgufFile.open(tiny_gguf), hf_config, "auto", torch.float32, torch.device("cpu"), q4k=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import GrammarError, SamplingParams
-from engine.grammar import GrammarCompiler, mask_logits
+from engine.text.grammar import GrammarCompiler, mask_logits
 
 PROMPT = [1, 9707, 28, 3060, 30]
 # Every feature the issue names: required, enum, const, integer and number ranges, a string pattern and lengths,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, ModelLoadError
-from engine.loader import default_gguf_path, read_state_dict, resolve_checkpoint
+from engine.weights.loader import default_gguf_path, read_state_dict, resolve_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_default_gguf_loads_with_exactly_the_weights_transformers_reads_from_it(default_checkpoint, tmp_path):
     """Read block by block (quantization none keeps every value as float32), the default model's weights are the
     ones transformers de-quantizes from the same file, q and k rows in transformers' order."""
-    from engine.loader import load
+    from engine.weights.loader import load
 
     loaded = load(EngineConfig(quantization="none", dtype="float32", cache_dir=str(tmp_path)))
     expected = read_state_dict(default_checkpoint)  # transformers' own de-quantization, cached by the fixture
@@ -85,7 +85,7 @@ def test_auto_dtype_is_float32_where_tern_kernels_serve_the_weights():
     """Tern's int8/int4 kernels quantize activations whatever their dtype, and their native decode step computes
     in float32: `auto` gives float32 there, so that step serves from the first request instead of a compiled bf16
     one built in the background. Other CPU modes keep bf16 where the CPU computes it natively."""
-    from engine.loader import _cpu_has_native_bf16, choose_dtype
+    from engine.weights.loader import _cpu_has_native_bf16, choose_dtype
 
     cpu = torch.device("cpu")
     for mode in ("auto", "int8", "int4"):
@@ -100,12 +100,12 @@ def test_auto_dtype_is_float32_where_tern_kernels_serve_the_weights():
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_a_safetensors_folder_quantized_here_loads_tensor_by_tensor_with_the_whole_loads_values(tiny_checkpoint,
                                                                                                 mode, tmp_path):
-    """Read tensor by tensor (engine/streamed_load.py), a folder's layers hold exactly what quantizing the whole
+    """Read tensor by tensor (engine/weights/streamed_load.py), a folder's layers hold exactly what quantizing the whole
     state dict gives (the path a folder takes in other modes), so streaming changes memory, not answers."""
     from transformers import AutoConfig
 
-    from engine import quant
-    from engine.loader import build_native, load
+    from engine.weights import quant
+    from engine.weights.loader import build_native, load
 
     loaded = load(EngineConfig(model=str(tiny_checkpoint), quantization=mode, dtype="float32",
                                cache_dir=str(tmp_path)))

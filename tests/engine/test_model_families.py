@@ -214,7 +214,7 @@ GGUF_FAMILIES = {
 @pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
 def test_a_gguf_of_each_family_answers_as_the_checkpoint_it_was_converted_from(family, default_tokenizer, tmp_path):
     """Tensor names, Gemma's norm convention and every setting come from the file (transformers' own GGUF reader
-    drops soft-caps, windows, rotary dimensions and RoPE scaling: engine/gguf_config.py reads them): Tern's answers
+    drops soft-caps, windows, rotary dimensions and RoPE scaling: engine/weights/gguf_config.py reads them): Tern's answers
     from the GGUF equal transformers' on the original checkpoint."""
     hf_model, _ = make_checkpoint(family, default_tokenizer, tmp_path / "folder", GGUF_FAMILIES)
     path = write_gguf(hf_model, tmp_path / f"{family}.gguf")

@@ -8,7 +8,11 @@ import torch
 from conftest import build_tiny, require_op, tiny_config
 from test_compiled import PARAMS, _assert_same_up_to_ties, _outputs, _prompts
 
-from engine import Engine, EngineConfig, kernels, layers, native_decode, quant
+from engine import Engine, EngineConfig, kernels
+
+from engine.decode import native_decode
+
+from engine.weights import layers, quant
 from engine.config import default_cache_dir
 from engine.kernels import layouts
 from engine.scheduler import ScheduledBatch
@@ -19,7 +23,7 @@ def _as_q4_0(model) -> None:
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
-    from engine.gguf_blocks import GGUF_TYPES
+    from engine.weights.gguf_blocks import GGUF_TYPES
 
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

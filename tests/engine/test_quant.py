@@ -17,7 +17,8 @@ import torch
 from conftest import build_tiny, require_op, tiny_config, tiny_quantized_engine
 
 from engine import Engine, EngineConfig, ModelLoadError, SamplingParams
-from engine import kernels, layers, quant
+from engine import kernels
+from engine.weights import layers, quant
 from engine.kernels import layouts
 
 BNB = ("bnb-int8", "bnb-nf4", "bnb-fp4")

@@ -9,8 +9,8 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from engine import FINISH_ABORT, SamplingParams
-from engine.stops import OutputText
-from engine.tokens import TokenizerView
+from engine.text.stops import OutputText
+from engine.text.tokens import TokenizerView
 
 REPLACEMENT_CHAR = "\ufffd"
 IM_END = "<|im_end|>"

@@ -1,4 +1,4 @@
-"""engine/tool_calls.py on its own: the reply parser (the same text and calls however the reply is cut into deltas),
+"""engine/text/tool_calls.py on its own: the reply parser (the same text and calls however the reply is cut into deltas),
 the grammar (what it lets through, with the default tokenizer), and the conversation written for a template that
 knows no tools."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from engine.grammar import GrammarCompiler
-from engine.tool_calls import Function, ReplyParser, ToolUse, fallback_messages, native_messages
+from engine.text.grammar import GrammarCompiler
+from engine.text.tool_calls import Function, ReplyParser, ToolUse, fallback_messages, native_messages
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris \\"x\\"", "days": [1, {"a": 2}]}}\n</tool_call>'
 WEATHER = Function("get_weather", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],

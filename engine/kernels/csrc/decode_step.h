@@ -25,7 +25,7 @@
 namespace tern {
 namespace {
 
-// What a linear layer's packed weight holds; the numbers are engine/native_decode.py's WEIGHT_KINDS.
+// What a linear layer's packed weight holds; the numbers are engine/decode/native_decode.py's WEIGHT_KINDS.
 enum class WeightKind : int64_t { kQ8 = 0, kInt4 = 1, kQ4 = 2, kQ4K = 3 };
 
 struct Linear {

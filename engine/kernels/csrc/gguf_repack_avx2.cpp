@@ -1,5 +1,5 @@
 // GGUF blocks into Tern's layouts at load time (kernels.h: gguf_int4_groups, gguf_q4_groups, gguf_q4k_groups,
-// gguf_q8_groups): the C++ twins of engine/gguf_blocks.py's torch repacking (int4: Q4_0, Q4_1, Q4_K; q4: Q4_0; q4k:
+// gguf_q8_groups): the C++ twins of engine/weights/gguf_blocks.py's torch repacking (int4: Q4_0, Q4_1, Q4_K; q4: Q4_0; q4k:
 // Q4_K) and of gguf's numpy de-quantizer followed by
 // quant.quantize_q8 (q8: Q8_0 as it is, Q4_0 and Q5_0 levels as they are; Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, F16, BF16,
 // F32 re-quantized per 32 values).

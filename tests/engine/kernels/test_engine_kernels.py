@@ -9,8 +9,10 @@ import pytest
 import torch
 from conftest import build_tiny, require_op, tiny_config, tiny_quantized_engine
 
-from engine import Engine, EngineConfig, SamplingParams, layers, quant
+from engine import Engine, EngineConfig, SamplingParams
 
+
+from engine.weights import layers, quant
 PACKED = {"int8": layers.PackedQ8Linear, "int4": layers.PackedInt4Linear}  # int8: per 32 values where shapes fit
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import quant
+from engine.weights import quant
 from engine.kernels import layouts
 
 

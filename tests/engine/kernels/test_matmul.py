@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine import layers, quant
+from engine.weights import layers, quant
 from engine.kernels import layouts
 
 import reference
@@ -124,7 +124,7 @@ def test_a_row_gets_the_same_bits_alone_as_in_any_batch(path_kernels):
 def test_a_q4_layer_computes_the_q4_0_product_on_every_path(path_kernels, dtype):
     """What a GGUF's Q4_0 tensor becomes: the q4 kernel where the path has one, else aten's int4pack on the same
     weight put in int4's layout (m = -8 d); both close to the exact product with d * (q - 8)."""
-    from engine.layers import Q4Linear
+    from engine.weights.layers import Q4Linear
 
     generator = torch.Generator().manual_seed(11)
     q = torch.randint(0, 16, (112, 576), dtype=torch.uint8, generator=generator)
@@ -149,7 +149,7 @@ def test_a_q4k_layer_computes_the_q4_k_product_on_every_path(path_kernels, dtype
     """What a GGUF's Q4_K tensor becomes: the q4k kernel where the path has one (AVX512), else the int4 kernel or
     aten's int4pack on the same weight put in int4's layout (its scales rounded to fp16); all close to the exact
     product."""
-    from engine.layers import Q4KLinear
+    from engine.weights.layers import Q4KLinear
 
     generator = torch.Generator().manual_seed(12)
     _, parts = _q4k_case(1, 112, 512, dtype, seed=12)

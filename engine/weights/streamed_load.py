@@ -1,5 +1,5 @@
 """Build the native model tensor by tensor from a weight source, each weight going straight to the layer that serves
-it: a GGUF file (engine/gguf_file.GgufFile) or a Hugging Face safetensors folder (engine/safetensors_folder.py).
+it: a GGUF file (engine/gguf_file.GgufFile) or a Hugging Face safetensors folder (engine/weights/safetensors_folder.py).
 
 Under `auto`, `int4` and `int8` on a CPU the source's tensors decide: a tensor held in one of Tern's layouts already
 (a GGUF's Q4_0 blocks as q4, Q4_K as q4k, Q4_1 as int4, Q8_0 as q8: engine/gguf_blocks.GGUF_TYPES) goes into it without
@@ -27,10 +27,10 @@ from collections import Counter
 import torch
 from torch import nn
 
-from engine import quant
+from engine.weights import quant
 from engine.errors import ModelLoadError
 from engine.kernels import layouts
-from engine.layers import (
+from engine.weights.layers import (
     Int4Embedding, Int4Linear, Int8Embedding, Int8Linear, Q4Embedding, Q4KEmbedding, Q4KLinear, Q4Linear,
     Q8Embedding, Q8Linear,
 )
@@ -168,7 +168,7 @@ class _LayerBuilder:
 
     def linear(self, parts: list[str], int4_from_float: bool = True) -> nn.Module:
         """One layer for the rows of `parts` stacked (a fused projection), in the mode's layout. `int4_from_float`
-        False: under `int4` a float tensor becomes int8, as the lm_head does in that mode (engine/quant.py)."""
+        False: under `int4` a float tensor becomes int8, as the lm_head does in that mode (engine/weights/quant.py)."""
         names = [p + ".weight" for p in parts]
         types = [self._take(n) for n in names]
         bias = self._bias(names)

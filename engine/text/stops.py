@@ -20,7 +20,7 @@ class OutputText:
 
     def __init__(
         self,
-        tokenizer: Any,  # engine.tokens.TokenizerView: decode(ids, skip_special_tokens) and token_bytes(token_id)
+        tokenizer: Any,  # engine.text.tokens.TokenizerView: decode(ids, skip_special_tokens) and token_bytes(token_id)
         stop: list[str] | tuple[str, ...] = (),
         prompt_ids: list[int] | None = None,
         skip_special_tokens: bool = True,

@@ -1,7 +1,7 @@
 """One forward pass for a scheduled batch: build the input tensors, run the model, return the logits asked for.
 
 ModelRunner owns every way a decode step can run (the native C++ step, the compiled step and its build, CUDA
-graphs, the CPU attention kernel), built as engine/decode_path.py planned them; run() alone picks the one that
+graphs, the CPU attention kernel), built as engine/decode/decode_path.py planned them; run() alone picks the one that
 serves a step.
 """
 from __future__ import annotations
@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
-from engine import compiled
-from engine.compiled import CompiledDecode
-from engine.cuda_graphs import DecodeGraphs
+from engine.decode import compiled
+from engine.decode.compiled import CompiledDecode
+from engine.decode.cuda_graphs import DecodeGraphs
 from engine.kv_cache import BlockAllocator, KVCache
 from engine.models.attention import AttentionGroup, AttentionMetadata
-from engine.native_decode import NativeDecode
+from engine.decode.native_decode import NativeDecode
 from engine.scheduler import ScheduledBatch
 
 if TYPE_CHECKING:
-    from engine.decode_path import DecodePath
+    from engine.decode.decode_path import DecodePath
 
 logger = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from engine.errors import GrammarError
-from engine.tool_calls import ToolUse, grammar_source
+from engine.text.tool_calls import ToolUse, grammar_source
 
 # JSON compile options (llguidance's JsonCompileOptions); a schema's own "x-guidance" key may override them.
 # Whitespace between tokens as the model likes it, up to 20 characters at a time (see the module docstring).
@@ -122,7 +122,7 @@ class GrammarCompiler:
         return self._cached(f"json_schema {name!r}" if name else "json_schema", schema)
 
     def tool_calls(self, tool_use: ToolUse, answer_schema: dict | None = None) -> Grammar:
-        """A reply held to tool calls in Tern's format (engine/tool_calls.py): free text or calls (auto), calls
+        """A reply held to tool calls in Tern's format (engine/text/tool_calls.py): free text or calls (auto), calls
         only (required), one call of one function (named). GrammarError names a parameters schema that cannot be
         compiled."""
         source = grammar_source(tool_use, answer_schema, json_options=_JSON_OPTIONS)

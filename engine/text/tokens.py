@@ -5,7 +5,7 @@ from collections.abc import Sequence
 from functools import cached_property, lru_cache
 
 from engine.errors import NoChatTemplateError
-from engine.tool_calls import Function, fallback_messages, native_messages
+from engine.text.tool_calls import Function, fallback_messages, native_messages
 
 # End-of-turn markers of common chat templates; a model whose vocabulary has one stops on it like on EOS.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>")
@@ -49,7 +49,7 @@ class TokenizerView:
                     functions: Sequence[Function] | None = None) -> str:
         """Chat messages (OpenAI's shape: assistant `tool_calls`, `tool` results) -> prompt text, with the functions
         the model may call. A template that renders tools gets them as transformers passes them; for one that does
-        not, engine/tool_calls.py writes them (and earlier calls and results) as text. Tokenize the result with
+        not, engine/text/tool_calls.py writes them (and earlier calls and results) as text. Tokenize the result with
         add_special_tokens=False: the template has the BOS."""
         if not self.has_chat_template:
             raise NoChatTemplateError("this model's tokenizer has no chat template; use /v1/completions", "messages")

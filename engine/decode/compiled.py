@@ -8,7 +8,7 @@ eager model, the compiled step's twin, which the tests compare it against token 
 Compiling takes minutes on a small CPU. There the runner serves with the eager step at once and CompiledDecode
 builds the compiled one on a thread of its own, whose warm-up decodes fake sequences in a few reserved KV blocks;
 the compiled step takes over at the next step once it is ready. On CUDA it is compiled before serving, because
-the CUDA graphs capture it: the compiled step is what engine/cuda_graphs.py captures, one graph per (batch,
+the CUDA graphs capture it: the compiled step is what engine/decode/cuda_graphs.py captures, one graph per (batch,
 context) bucket.
 
 Sizes that change every step (number of sequences, context length) are marked dynamic, so one graph serves
@@ -33,7 +33,7 @@ from engine.models.attention import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 # Quantizations whose layers trace without graph breaks (bitsandbytes layers call into a C library). int4 is one
-# of them, though engine/cuda_graphs.py never captures it: it runs on CPUs only.
+# of them, though engine/decode/cuda_graphs.py never captures it: it runs on CPUs only.
 COMPILABLE_QUANTIZATIONS = ("none", "int8", "int4")
 
 

@@ -20,8 +20,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from engine.errors import ModelLoadError
-from engine import quant
-from engine.gguf_blocks import GGUF_TYPES, dequantize, supported_names
+from engine.weights import quant
+from engine.weights.gguf_blocks import GGUF_TYPES, dequantize, supported_names
 from engine.kernels import GGUF_REPACK_LAYOUTS
 from engine.models import NATIVE_MODELS
 
@@ -77,7 +77,7 @@ def hf_name(gguf_name: str, architecture: str | None = None) -> str | None:
 
 class GgufFile:
     """The tensors of one GGUF file by their transformers names, each read on demand: a weight source for
-    engine/streamed_load.py."""
+    engine/weights/streamed_load.py."""
 
     def __init__(self, path: Path, architecture: str, tensors: dict) -> None:
         self.path = path

@@ -2,11 +2,11 @@
 that builds the runner to follow it (build_runner). Per step, ModelRunner.run picks among what was built.
 
 Decode steps (every sequence adds one token: the steady state of serving) run on one of, fastest first:
-- `native`: the C++ step (engine/native_decode.py): CPU, float32, int8/int4 weights packed for a kernel path;
-- `compiled`: the model's forward under torch.compile (engine/compiled.py); on CPU it builds on a thread of its
+- `native`: the C++ step (engine/decode/native_decode.py): CPU, float32, int8/int4 weights packed for a kernel path;
+- `compiled`: the model's forward under torch.compile (engine/decode/compiled.py); on CPU it builds on a thread of its
   own while the eager step serves (the server says ready only once it is built: app.py);
 - `eager`: the model's own forward, the twin the other steps are tested against.
-On CUDA, decode steps replay CUDA graphs (engine/cuda_graphs.py) of the compiled or eager step. On CPU, decode
+On CUDA, decode steps replay CUDA graphs (engine/decode/cuda_graphs.py) of the compiled or eager step. On CPU, decode
 steps' attention reads the KV cache in place with Tern's kernel (engine.kernels) where the kernel path has one.
 Prefill and mixed steps always run the eager model.
 """
@@ -18,13 +18,13 @@ from typing import Callable
 
 import torch
 
-from engine import compiled, cuda_graphs, native_decode
+from engine.decode import compiled, cuda_graphs, native_decode
 from engine.config import EngineConfig
 from engine.kernels import CpuKernels
 from engine.kv_cache import BlockAllocator, KVCache
-from engine.loader import LoadedModel
+from engine.weights.loader import LoadedModel
 from engine.models.generic import RecomputeRunner
-from engine.runner import ModelRunner, Runner
+from engine.decode.runner import ModelRunner, Runner
 
 logger = logging.getLogger(__name__)
 

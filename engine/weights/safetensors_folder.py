@@ -1,4 +1,4 @@
-"""A Hugging Face checkpoint folder's safetensors files as a weight source for engine/streamed_load.py: tensors are
+"""A Hugging Face checkpoint folder's safetensors files as a weight source for engine/weights/streamed_load.py: tensors are
 read one at a time, a few thousand rows at a time for the big ones, so an 8B bf16 folder (16 GB) is quantized into
 int8 or int4 without ever being in memory whole, let alone in float32."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from engine import quant
+from engine.weights import quant
 from engine.errors import ModelLoadError
 
 
@@ -48,7 +48,7 @@ class SafetensorsFolder:
         return handle.get_slice(key).get_dtype()
 
     def layout(self, name: str) -> str | None:
-        return None  # float checkpoints: the mode quantizes them (engine/quant.py)
+        return None  # float checkpoints: the mode quantizes them (engine/weights/quant.py)
 
     def packed(self, name: str, num_heads: int | None = None, repack=None, out: torch.Tensor | None = None) -> torch.Tensor:
         raise ValueError(f"{name} is a float tensor in {self.path}")

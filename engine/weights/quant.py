@@ -19,9 +19,9 @@ Modes (EngineConfig.quantization):
 Fused projections (qkv_proj, gate_up_proj) quantize per output row (LLM.int8(), per-row int8) or in blocks along
 rows (q8, 4-bit), so fusing before quantizing changes nothing.
 
-`pack_for_cpu` is the step after: it swaps each layer whose shape fits for its packed twin (engine/layers.py)
+`pack_for_cpu` is the step after: it swaps each layer whose shape fits for its packed twin (engine/weights/layers.py)
 holding the operator of the kernel path chosen for this process (engine.kernels.select): q8, int4 and q4 layers
-(q4: a GGUF's Q4_0 tensors, engine/gguf_blocks.py), and bf16 ones of the unquantized mode where the CPU has AVX512-BF16.
+(q4: a GGUF's Q4_0 tensors, engine/weights/gguf_blocks.py), and bf16 ones of the unquantized mode where the CPU has AVX512-BF16.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from torch import nn
 from engine.config import QUANTIZATIONS
 from engine.errors import ModelLoadError
 from engine.kernels import CpuKernels, layouts
-from engine.layers import (
+from engine.weights.layers import (
     AtenInt4Linear,
     Int4Linear,
     Int8Embedding,

@@ -13,7 +13,7 @@ import torch
 
 from engine.kernels import CpuKernels
 from engine.kv_cache import KVCache
-from engine.layers import PackedInt4Linear, PackedQ4KLinear, PackedQ4Linear, PackedQ8Linear
+from engine.weights.layers import PackedInt4Linear, PackedQ4KLinear, PackedQ4Linear, PackedQ8Linear
 from engine.models.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
 

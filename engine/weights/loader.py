@@ -1,5 +1,5 @@
 """Locate and load a checkpoint: a GGUF file of a native architecture (the default model's included) is read block
-by block into the layers that serve it (engine/streamed_load.py), and so is a safetensors folder whose weights are
+by block into the layers that serve it (engine/weights/streamed_load.py), and so is a safetensors folder whose weights are
 quantized here; other folders load their state dict whole.
 
 Weights are read into process memory (not left mmap-backed): on small machines the kernel reclaims idle
@@ -19,11 +19,13 @@ from pathlib import Path
 
 import torch
 
-from engine import gguf_config, kernels, quant, streamed_load
+from engine import kernels
+
+from engine.weights import gguf_config, quant, streamed_load
 from engine.config import EngineConfig, default_cache_dir
 from engine.errors import ModelLoadError
-from engine.gguf_file import GgufFile
-from engine.safetensors_folder import SafetensorsFolder
+from engine.weights.gguf_file import GgufFile
+from engine.weights.safetensors_folder import SafetensorsFolder
 from engine.models import NATIVE_MODELS
 
 logger = logging.getLogger(__name__)
@@ -82,7 +84,7 @@ def default_gguf_path() -> Path:
 def resolve_checkpoint(model: str | None, cache_dir: Path) -> tuple[Path, str]:
     """Return (a folder holding the model's config.json and tokenizer, a readable model name) for any accepted
     --model value. For a GGUF file of a native architecture that folder holds only those small files, written once
-    from the file's metadata: the weights are read from the GGUF itself (engine/streamed_load.py)."""
+    from the file's metadata: the weights are read from the GGUF itself (engine/weights/streamed_load.py)."""
     gguf_path = gguf_file_of(model)
     if gguf_path is not None:
         name = DEFAULT_MODEL_NAME if model is None else gguf_path.stem.split(".")[0]
@@ -298,7 +300,7 @@ def _on_threads(op, threads: int):
 
 
 def _weight_source(model: str | None, folder: Path, cache_dir: Path, is_native: bool, quantizes_here: bool):
-    """What engine/streamed_load.py reads the native model from, tensor by tensor: a GGUF file always; a
+    """What engine/weights/streamed_load.py reads the native model from, tensor by tensor: a GGUF file always; a
     safetensors folder when its weights are quantized here (an 8B bf16 folder then never exists in float32).
     None: load the whole state dict (other modes on a folder) or through transformers (other architectures)."""
     if not is_native:

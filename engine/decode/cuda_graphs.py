@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 # Quantizations whose decode steps are captured. bitsandbytes layers are left eager: capturing the 4-bit ones
 # failed and left the CUDA context unusable, and LLM.int8() splits outliers with shapes read back from the GPU.
-# int4 compiles (engine/compiled.py) but is not here: it runs on CPUs only, so no capture of it was ever verified.
+# int4 compiles (engine/decode/compiled.py) but is not here: it runs on CPUs only, so no capture of it was ever verified.
 CAPTURABLE_QUANTIZATIONS = ("none", "int8")
 FIRST_CONTEXT_BUCKET = 256  # tokens; buckets double from here up to the model's context length
 COLUMNS = 4  # token id, position, cache slot, context length; the block table follows
