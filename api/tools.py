@@ -18,7 +18,8 @@ import jsonschema
 
 from engine import Engine, GrammarError
 from engine.text.grammar import Grammar
-from engine.text.tool_calls import CallDelta, Function, ReplyParser, ToolUse
+from engine.text.tool_call_parser import CallDelta, ReplyParser
+from engine.text.tool_calls import Function, ToolUse
 
 from api.errors import OpenAIError
 

@@ -9,7 +9,8 @@ import random
 import pytest
 
 from engine.text.grammar import GrammarCompiler
-from engine.text.tool_calls import Function, ReplyParser, ToolUse, fallback_messages, native_messages
+from engine.text.tool_call_parser import ReplyParser
+from engine.text.tool_calls import Function, ToolUse, fallback_messages, native_messages
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris \\"x\\"", "days": [1, {"a": 2}]}}\n</tool_call>'
 WEATHER = Function("get_weather", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
