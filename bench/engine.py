@@ -25,8 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-
-from engine.weights import loader
+from engine.weights import loader  # noqa: E402
 
 QUESTIONS = [
     "Tell me a story about a lighthouse keeper.",

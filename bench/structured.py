@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine import sampler  # noqa: E402
-from engine.text import grammar
+from engine.text import grammar  # noqa: E402
 
 BIRDS = {
     "type": "object",

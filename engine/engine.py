@@ -11,23 +11,21 @@ import time
 import uuid
 
 from engine import scoring
-
-from engine.weights import loader
 from engine.admission import SequenceFactory, validate_request
 from engine.config import EngineConfig, batched_tokens_for
 from engine.decode.decode_path import build_runner
-from engine.text.grammar import GrammarCompiler
 from engine.inbox import Inbox
 from engine.info import EngineInfo, EngineStats
 from engine.kv_cache import BlockAllocator, KVCache
 from engine.kv_plan import plan_kv_cache
-from engine.weights.loader import LoadedModel
 from engine.outputs import Completion, ContinuationScore
 from engine.postprocess import Postprocessor
 from engine.request import Request
 from engine.scheduler import Scheduler
 from engine.stream import RequestStream
+from engine.text.grammar import GrammarCompiler
 from engine.text.tokens import TokenizerView
+from engine.weights.loader import LoadedModel, load_leaving_a_core
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +59,7 @@ class Engine:
             raise setup_failure[0]
 
     def _setup(self, loaded: LoadedModel | None) -> None:
-        self.loaded = loaded or loader.load_leaving_a_core(self.config)
+        self.loaded = loaded or load_leaving_a_core(self.config)
         model, hf_config = self.loaded.model, self.loaded.hf_config
         self.device, self.dtype = self.loaded.device, self.loaded.dtype
         self.model_name = self.loaded.name

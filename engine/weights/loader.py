@@ -20,13 +20,12 @@ from pathlib import Path
 import torch
 
 from engine import kernels
-
-from engine.weights import gguf_config, quant, streamed_load
 from engine.config import EngineConfig, default_cache_dir
 from engine.errors import ModelLoadError
+from engine.models import NATIVE_MODELS
+from engine.weights import gguf_config, quant, sizes, streamed_load
 from engine.weights.gguf_file import GgufFile
 from engine.weights.safetensors_folder import SafetensorsFolder
-from engine.models import NATIVE_MODELS
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +53,12 @@ class LoadedModel:
     @property
     def num_parameters(self) -> int:
         """As in the float checkpoint: a quantized weight counts as its logical shape."""
-        return quant.num_parameters(self.model)
+        return sizes.num_parameters(self.model)
 
     @property
     def weight_bytes(self) -> int:
         """What the weights occupy now, quantized storage and its scales included."""
-        return quant.weight_bytes(self.model)
+        return sizes.weight_bytes(self.model)
 
     @property
     def bf16_weight_bytes(self) -> int:

@@ -1,5 +1,5 @@
 """Swap nn.Linear for int8 / int4 / bitsandbytes layers after loading, then pack them for the CPU kernels; detect
-what this machine supports; count bytes.
+what this machine supports (bitsandbytes' layers: engine/weights/bnb.py; bytes and parameters: sizes.py).
 
 Modes (EngineConfig.quantization):
 - `int8`: on a CPU, int8 weights with one fp16 scale per 32 values of a row (GGUF's Q8_0, layouts.pack_q8:
@@ -33,6 +33,8 @@ from torch import nn
 from engine.config import QUANTIZATIONS
 from engine.errors import ModelLoadError
 from engine.kernels import CpuKernels, layouts
+from engine.weights import bnb
+from engine.weights.bnb import BNB_MODES
 from engine.weights.layers import (
     AtenInt4Linear,
     Int4Linear,
@@ -52,10 +54,8 @@ from engine.weights.layers import (
 
 logger = logging.getLogger(__name__)
 
-BNB_MODES = {"bnb-int8": "int8", "bnb-nf4": "nf4", "bnb-fp4": "fp4"}
 MODES = tuple(mode for mode in QUANTIZATIONS if mode != "auto")  # what `auto` resolves to is one of these
 KERNEL_MODES = ("auto", "int8", "int4")  # modes whose layers on a CPU are Tern's int8/int4 (quantized from fp32 values)
-BNB_INT8_THRESHOLD = 6.0  # transformers' BitsAndBytesConfig default (llm_int8_threshold)
 INT4_GROUP = layouts.INT4_GROUP_COLS
 
 
@@ -138,18 +138,7 @@ def unsupported_reason(mode: str, device: torch.device, dtype: torch.dtype = tor
         return "--quantization int4 runs on CPUs (Tern's kernel or aten's int4pack); on CUDA use bnb-nf4"
     if mode not in BNB_MODES:
         return None
-    try:
-        bnb = _import_bitsandbytes()
-    except Exception as exc:  # ImportError, or a broken native library raising anything at import
-        return f"--quantization {mode} needs bitsandbytes (pip install bitsandbytes==0.50.2): {type(exc).__name__}: {exc}"
-    try:  # the cheapest complete answer: build and run one small layer on the device
-        layer = _bnb_layer(nn.Linear(64, 64, bias=False), mode, dtype, double_quant=False).to(device).eval()
-        layer(torch.ones(1, 64, dtype=dtype, device=device))
-    except Exception as exc:  # bitsandbytes raises RuntimeError/NotImplementedError/... per backend
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        return (f"--quantization {mode}: bitsandbytes {bnb.__version__} cannot run on {device} with "
-                f"{str(dtype).removeprefix('torch.')} here ({type(exc).__name__}: {first_line})")
-    return None
+    return bnb.unsupported_reason(mode, device, dtype)
 
 
 def check_supported(mode: str, device: torch.device, dtype: torch.dtype) -> None:
@@ -179,7 +168,7 @@ def quantize(model: nn.Module, mode: str, device: torch.device, dtype: torch.dty
         elif mode in ("int8", "int4"):  # int4: a shape the 4-bit layout cannot hold (rows not in 8s, columns not in 32s)
             new = _int8_linear(weight, bias, dtype)
         else:
-            new = _bnb_layer(child, mode, dtype, double_quant)
+            new = bnb.bnb_layer(weight, bias, mode, dtype, double_quant)
         setattr(parent, name, new.to(device).eval())
     if mode in ("int8", "int4"):
         _quantize_head_and_embedding(model, head, embedding, dtype, device)
@@ -236,47 +225,6 @@ def pack_for_cpu(model: nn.Module, kernels: CpuKernels) -> None:
                     ", ".join(f"{n} {name}" for name, n in sorted(counts.items())))
 
 
-def num_parameters(model: nn.Module) -> int:
-    """Parameters as the float model had them (a 4-bit or int8 weight counts as its logical shape)."""
-    total, seen = 0, set()
-    for module in model.modules():
-        weight = _packed_weight(module)
-        if weight is not None and id(weight) not in seen:
-            seen.add(id(weight))
-            if hasattr(module, "out_features"):
-                total += module.out_features * module.in_features
-            elif hasattr(module, "embedding_dim"):
-                total += module.num_embeddings * module.embedding_dim
-            else:
-                total += weight.numel()
-        for param in module.parameters(recurse=False):
-            if id(param) not in seen:
-                seen.add(id(param))
-                quant_state = getattr(param, "quant_state", None)
-                total += quant_state.shape.numel() if quant_state is not None else param.numel()
-    return total
-
-
-def _packed_weight(module: nn.Module) -> torch.Tensor | None:
-    """The weight matrix a Tern layer keeps as a buffer rather than a parameter."""
-    for name in ("weight_int8", "weight_packed", "weight_int4pack"):
-        if isinstance(getattr(module, name, None), torch.Tensor):
-            return getattr(module, name)
-    return None
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes held by weights: parameters and buffers, plus the scales bitsandbytes keeps beside them."""
-    tensors: dict[int, torch.Tensor] = {}
-    for tensor in [*model.parameters(), *model.buffers()]:
-        tensors[id(tensor)] = tensor
-        for extra in _bnb_state_tensors(tensor):
-            tensors[id(extra)] = extra
-    # Tied weights (and an int8 lm_head sharing the embedding's matrix) are one tensor: count it once.
-    unique = {(t.device, t.data_ptr(), t.dtype, t.numel()): t.numel() * t.element_size() for t in tensors.values()}
-    return sum(unique.values())
-
-
 def _quantize_head_and_embedding(model, head, embedding, dtype, device) -> None:
     """int8 for the embedding rows and the lm_head, per 32 values where the layout fits (as `_int8_linear`); one
     shared matrix when they are tied."""
@@ -298,40 +246,6 @@ def _quantize_head_and_embedding(model, head, embedding, dtype, device) -> None:
         weight, bias = _linear_weight(head)
         new_head = _int8_linear(weight, None if bias is None else bias.detach().to(dtype), dtype)
         _replace(model, head, new_head.to(device))
-
-
-def _bnb_layer(linear: nn.Module, mode: str, dtype: torch.dtype, double_quant: bool) -> nn.Module:
-    """A bitsandbytes layer on the CPU holding `linear`'s weight; moving it `.to(device)` quantizes it."""
-    bnb = _import_bitsandbytes()
-
-    weight, bias = _linear_weight(linear)
-    out_features, in_features = weight.shape
-    weight = weight.detach().to("cpu", dtype)
-    if mode == "bnb-int8":
-        layer = bnb.nn.Linear8bitLt(in_features, out_features, bias=bias is not None, has_fp16_weights=False,
-                                    threshold=BNB_INT8_THRESHOLD, device="meta")
-        layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
-    else:
-        quant_type = BNB_MODES[mode]
-        layer = bnb.nn.Linear4bit(in_features, out_features, bias=bias is not None, compute_dtype=dtype,
-                                  compress_statistics=double_quant, quant_type=quant_type, device="meta")
-        layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=double_quant,
-                                         quant_type=quant_type, module=layer)
-    if bias is not None:
-        layer.bias = nn.Parameter(bias.detach().to("cpu", dtype), requires_grad=False)
-    # Eval mode matters: in training mode LLM.int8() on CPU skips outlier decomposition, and 4-bit skips
-    # repacking the weight for the AVX512-BF16 kernel.
-    return layer.eval()
-
-
-def _bnb_state_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Tensors bitsandbytes hangs off a quantized parameter: LLM.int8() row scales, 4-bit block absmax."""
-    extras = [t for t in (getattr(tensor, "SCB", None),) if isinstance(t, torch.Tensor)]
-    state = getattr(tensor, "quant_state", None)
-    while state is not None:
-        extras += [t for t in (state.absmax, state.code) if isinstance(t, torch.Tensor)]
-        state = getattr(state, "state2", None)
-    return extras
 
 
 def _linear_children(model: nn.Module):
@@ -372,18 +286,3 @@ def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
     slots = [(parent, name) for parent in model.modules() for name, child in parent.named_children() if child is old]
     for parent, name in slots:
         setattr(parent, name, new)
-
-
-def _import_bitsandbytes():
-    """Import bitsandbytes quietly: on AVX512-BF16 CPUs it tries an optional kernel from the Hugging Face hub
-    (needs the `kernels` package) and logs a warning when absent; its built-in CPU path works without it."""
-    cpu_ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    level = cpu_ops.level
-    cpu_ops.setLevel(logging.ERROR)
-    try:
-        import bitsandbytes
-    finally:
-        cpu_ops.setLevel(level)
-    # LLM.int8() casts non-fp16 inputs to fp16 by design and logs a warning about it on every forward call.
-    logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
-    return bitsandbytes

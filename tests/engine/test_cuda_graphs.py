@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from engine import SamplingParams
-
 from engine.decode import decode_path
 from engine.decode.cuda_graphs import batch_buckets, context_buckets
 

@@ -9,11 +9,9 @@ import torch
 from conftest import build_tiny, cpu_kernels, tiny_config
 
 from engine import EngineConfig
-
 from engine.decode import compiled
-
-from engine.weights import quant
 from engine.decode.compiled import WARMUP_BLOCKS
+from engine.weights import quant
 from engine.decode.decode_path import build_runner, plan_decode_path
 from engine.kv_cache import BlockAllocator, KVCache
 from engine.params import SamplingParams

@@ -9,11 +9,9 @@ from conftest import build_tiny, require_op, tiny_config
 from test_compiled import PARAMS, _assert_same_up_to_ties, _outputs, _prompts
 
 from engine import Engine, EngineConfig, kernels
-
-from engine.decode import native_decode
-
-from engine.weights import layers, quant
 from engine.config import default_cache_dir
+from engine.decode import native_decode
+from engine.weights import layers, quant
 from engine.kernels import layouts
 from engine.scheduler import ScheduledBatch
 

@@ -10,9 +10,8 @@ import torch
 from conftest import build_tiny, require_op, tiny_config, tiny_quantized_engine
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.weights import layers, quant, sizes
 
-
-from engine.weights import layers, quant
 PACKED = {"int8": layers.PackedQ8Linear, "int4": layers.PackedInt4Linear}  # int8: per 32 values where shapes fit
 
 
@@ -61,8 +60,8 @@ def test_bf16_engine_packs_its_matrices_once_and_agrees_with_its_unpacked_twin(d
     linears = [m for m in model.modules() if isinstance(m, layers.PackedBf16Linear)]
     assert len(linears) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the lm_head
     assert model.lm_head.weight_packed is model.model.embed_tokens.weight_packed  # tied: one matrix
-    assert quant.weight_bytes(model) == quant.weight_bytes(twin.model)
-    assert quant.num_parameters(model) == quant.num_parameters(twin.model)
+    assert sizes.weight_bytes(model) == sizes.weight_bytes(twin.model)
+    assert sizes.num_parameters(model) == sizes.num_parameters(twin.model)
 
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     results = {}
