@@ -54,7 +54,7 @@ SCHEMAS: dict[str, tuple[dict, object]] = {
             "additionalProperties": False,
         },
         {"id": "ABC-1234", "kind": "bird", "version": 2, "count": 7, "name": "Tern", "tags": ["sea", "white"],
-         "origin": {"x": 1.25, "y": -3}, "note": None},  # tests/engine/test_grammar.py's FEATURES
+         "origin": {"x": 1.25, "y": -3}, "note": None},  # tests/engine/text/test_grammar.py's FEATURES
     ),
     "wide (40 props)": (
         {"type": "object", "properties": {f"field_{i}": {"type": ["string", "integer", "boolean"]} for i in range(40)},

@@ -12,7 +12,7 @@ import torch
 from engine import EngineConfig, ModelLoadError
 from engine.weights.loader import default_gguf_path, read_state_dict, resolve_checkpoint
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.slow

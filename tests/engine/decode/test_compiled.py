@@ -19,7 +19,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=
 
 
 def _engine(tokenizer, dtype: str, mode: str, compile: bool, max_num_seqs: int) -> Engine:
-    # native_decode off: int8/int4 in fp32 would otherwise decode in C++ (tests/engine/test_native_decode.py).
+    # native_decode off: int8/int4 in fp32 would otherwise decode in C++ (tests/engine/decode/test_native_decode.py).
     return tiny_quantized_engine("llama", mode, tokenizer, dtype=dtype, compile=compile, max_num_seqs=max_num_seqs,
                                  native_decode=False)[0]
 
