@@ -24,6 +24,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int  # so far, for this sample
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first delta, when asked for
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage's cached_tokens)
 
 
 @dataclass
@@ -56,6 +57,9 @@ class Completion:
     num_prompt_tokens: int = 0
     choices: list[Choice] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Of the prompt, served from the prefix cache: as the first sample found it (the others of n > 1 reuse the blocks
+    # it computed, which is no cache hit for the client).
+    num_cached_tokens: int = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -68,6 +72,8 @@ class Completion:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         self.num_prompt_tokens = out.num_prompt_tokens
+        if out.index == 0:
+            self.num_cached_tokens = out.num_cached_tokens
 
 
 @dataclass

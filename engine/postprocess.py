@@ -141,7 +141,7 @@ class Postprocessor:
         stream = entry[1]
         prompt_logprobs = None if request.prompt_logprobs is None else request.prompt_logprobs.take_for_emit()
         out = RequestOutput(request.request_id, seq.index, token_ids, text, logprobs, finish_reason, stop_reason,
-                            seq.num_prompt_tokens, seq.num_output_tokens, prompt_logprobs)
+                            seq.num_prompt_tokens, seq.num_output_tokens, prompt_logprobs, seq.num_cached_tokens)
         delivered = stream.put(out)
         if finish_reason is not None:
             seq.finish_reason, seq.stop_reason = finish_reason, stop_reason

@@ -97,6 +97,7 @@ class Sequence:
         self.token_ids: list[int] = list(request.prompt_ids)
         self.num_prompt_tokens = len(request.prompt_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # prompt tokens whose K/V the prefix cache held when it started (not computed)
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # content hash of each full block of block_table (prefix caching)
         self.status = SequenceStatus.WAITING

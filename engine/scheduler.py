@@ -103,7 +103,7 @@ class Scheduler:
             if fits_a_coming_step or not self.allocator.can_allocate(needed):
                 if reused:  # hand the cached blocks back rather than hold them while waiting
                     self._free_blocks(seq)
-                    seq.num_computed_tokens = 0
+                    seq.num_computed_tokens = seq.num_cached_tokens = 0
                 break
             self.waiting.popleft()
             seq.block_table += self.allocator.allocate(needed)
@@ -161,6 +161,8 @@ class Scheduler:
             seq.block_table.append(block)
             seq.block_hashes.append(content_hash)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        if not seq.num_output_tokens:  # after a preemption with outputs, what is recomputed is not the prompt
+            seq.num_cached_tokens = seq.num_computed_tokens
         return bool(seq.block_table)
 
     def _register_full_blocks(self, seq: Sequence) -> None:

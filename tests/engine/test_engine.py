@@ -386,6 +386,8 @@ def test_a_repeated_prompt_prefix_is_served_from_the_cache_with_the_same_result(
     hits_before = engine.stats().num_prefix_cache_hits
     [second] = engine.generate([second_prompt], params)
     assert engine.stats().num_prefix_cache_hits - hits_before == len(system) // 16
+    # What usage's cached_tokens reports: the prompt tokens whose blocks came from the cache, none the first time.
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, len(system) // 16 * 16)
     [reference] = uncached.generate([second_prompt], params)
     assert second.choices[0].token_ids == reference.choices[0].token_ids
     for ours, theirs in zip(second.choices[0].logprobs, reference.choices[0].logprobs):
