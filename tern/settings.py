@@ -72,14 +72,15 @@ def add_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...], defaults
         default = getattr(defaults, flag.field)
         value = os.environ.get(flag.env) if flag.env else None
         shown = "; ".join(([] if default in (None, ()) else ["default %(default)s"]) + ([flag.env] if flag.env else []))
+        text = f"{flag.help} ({shown})" if shown else flag.help
         if flag.is_switch:
             parser.add_argument(f"--{flag.name}", dest=flag.field, action=argparse.BooleanOptionalAction,
-                                default=is_true(value) if value is not None else default, help=f"{flag.help} ({shown})")
+                                default=is_true(value) if value is not None else default, help=text)
             continue
         if value is not None:
             default = value  # a string: argparse converts it with `type` (an error names the flag) unless it is given
         parser.add_argument(f"--{flag.name}", dest=flag.field, type=flag.type, choices=flag.choices,
-                            metavar=flag.metavar, default=default, help=f"{flag.help} ({shown})")
+                            metavar=flag.metavar, default=default, help=text)
 
 
 SERVER_FLAGS = (

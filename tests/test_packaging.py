@@ -67,7 +67,7 @@ def test_ray_is_installed_for_the_tests_only_and_no_server_module_imports_it():
     assert "$(RAY_STAMP)" not in targets["install"] + targets["run"]
     ray_pins = [line.split("#")[0].strip() for line in (ROOT / RAY_REQUIREMENTS).read_text().splitlines()]
     assert [pin for pin in ray_pins if pin] == ["ray[serve]==2.60.0"]
-    server_files = [ROOT / "app.py", *(path for folder in ("engine", "api", "ui") for path in (ROOT / folder).rglob("*.py"))]
+    server_files = [ROOT / "app.py", *(path for folder in ("engine", "api", "ui", "tern") for path in (ROOT / folder).rglob("*.py"))]
     for path in server_files:
         assert "ray" not in _top_level_imports(path), f"{path} imports Ray: the server must run without it"
 
@@ -87,7 +87,7 @@ def test_runtime_requirements_hold_no_test_only_package():
         line = line.split("#")[0].strip()
         assert not line or "==" in line, f"{TEST_REQUIREMENTS}: {line} is not pinned"
     # The split holds only while the server imports none of them (the image would lack it).
-    server_files = [ROOT / "app.py", *(path for folder in ("engine", "api", "ui") for path in (ROOT / folder).rglob("*.py"))]
+    server_files = [ROOT / "app.py", *(path for folder in ("engine", "api", "ui", "tern") for path in (ROOT / folder).rglob("*.py"))]
     test_modules = {name.replace("-", "_") for name in tests}
     for path in server_files:
         assert _top_level_imports(path) & test_modules == set(), f"{path} imports a test-only package"
@@ -158,7 +158,7 @@ def test_make_run_and_the_image_listen_on_the_port_the_space_and_health_check_us
     """`make run` starts app.py with no flags, the image with its CMD's: the port each parses to is the one the Space
     routes to (README's app_port), the image exposes and its health check calls."""
     monkeypatch.syspath_prepend(str(ROOT))
-    from app import parse_args
+    from tern.settings import parse_args
 
     for name in [name for name in os.environ if name.startswith("TERN_")]:
         monkeypatch.delenv(name)
@@ -181,7 +181,7 @@ def test_make_run_and_the_image_listen_on_the_port_the_space_and_health_check_us
 
 def test_drain_body_size_and_cors_flags_default_and_read_their_env(monkeypatch):
     sys.path.insert(0, str(ROOT))
-    from app import parse_args
+    from tern.settings import parse_args
 
     for name in ("TERN_DRAIN_TIMEOUT", "TERN_MAX_BODY_SIZE", "TERN_CORS_ORIGINS"):
         monkeypatch.delenv(name, raising=False)
