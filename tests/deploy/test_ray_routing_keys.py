@@ -34,6 +34,19 @@ def test_the_ingress_hashes_a_prompt_as_the_engine_caches_it(tiny_engine_factory
     assert keys.of("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}') == ()
 
 
+
+def test_the_keys_of_a_prompt_of_whole_blocks_leave_its_last_block_out_as_the_engine_does(tiny_engine_factory):
+    """The last token is always computed (its logits give the next token): a prompt of exactly 3 blocks is cached
+    and found under 2 hashes, the ones its keys name."""
+    engine, _ = tiny_engine_factory()
+    block_size = engine.config.block_size
+    keys = PrefixKeys(engine.tokenizer, block_size)
+    prompt_ids = [(7 * i) % 500 + 3 for i in range(3 * block_size)]
+    hashes = keys.of("/v1/completions", b'{"prompt": %s}' % str(prompt_ids).encode())
+    assert len(hashes) == 2
+    engine.generate([prompt_ids], SamplingParams(max_tokens=1))
+    assert set(hashes) <= set(engine.cached_prefix_hashes())
+
 def replica_metrics(requests: float, running: float | None = None) -> str:
     """A replica's /metrics text, as prometheus_client writes it."""
     from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
