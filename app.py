@@ -20,14 +20,14 @@ def main(argv: list[str] | None = None) -> int:
     server, engine_config, prepare_only = parse_args(argv)
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine import kernels
-    from engine.weights import loader
+    from engine.weights import checkpoint
 
     cache_dir = engine_config.cache_path
     if engine_config.device != "cuda":
         kernels.prebuild(cache_dir)  # a first start compiles them while it converts the model
     # Resolve (and on first start, convert) the checkpoint before serving, so a bad --model is one clear line.
     try:
-        folder, _ = loader.resolve_checkpoint(engine_config.model, cache_dir)
+        folder, _ = checkpoint.resolve_checkpoint(engine_config.model, cache_dir)
     except ModelLoadError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2

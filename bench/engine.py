@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.config import default_cache_dir  # noqa: E402
-from engine.weights import loader  # noqa: E402
+from engine.weights import checkpoint  # noqa: E402
 
 QUESTIONS = [
     "Tell me a story about a lighthouse keeper.",
@@ -58,8 +58,8 @@ def main() -> None:
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
                                  max_num_seqs=max(64, args.streams), compile=args.compile)).start()
     # transformers' baseline needs a float checkpoint: a GGUF (the default model's included) is de-quantized once.
-    gguf = loader.gguf_file_of(args.model)
-    folder = loader.dequantized_checkpoint(gguf, default_cache_dir()) if gguf else engine.loaded.folder
+    gguf = checkpoint.gguf_file_of(args.model)
+    folder = checkpoint.dequantized_checkpoint(gguf, default_cache_dir()) if gguf else engine.loaded.folder
     baseline = BaselineProcess(folder, engine.dtype, engine.device)
     pad_id = engine.tokenizer.pad_token_id or 0
     tokenizer = engine.tokenizer

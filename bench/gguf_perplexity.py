@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.append(str(Path(__file__).resolve().parent))
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from engine.weights.loader import default_gguf_path  # noqa: E402
+from engine.weights.checkpoint import default_gguf_path  # noqa: E402
 from rounds import kernel_flags  # noqa: E402
 
 TEXT = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"

@@ -146,7 +146,7 @@ def main() -> None:
     args = parser.parse_args()
     if not args.models:
         sys.path.insert(0, str(ROOT))
-        from engine.weights.loader import default_gguf_path
+        from engine.weights.checkpoint import default_gguf_path
 
         args.models = [default_gguf_path()]
     servers = ["tern", "llama-server"]

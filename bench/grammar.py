@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import default_cache_dir  # noqa: E402
-from engine.weights.loader import resolve_checkpoint  # noqa: E402
+from engine.weights.checkpoint import resolve_checkpoint  # noqa: E402
 
 SCHEMAS: dict[str, tuple[dict, object]] = {
     "json_object": ({"type": "object"}, {"name": "Ada", "tags": ["x", 1, None, True], "nested": {"k": 2.5}}),

@@ -8,7 +8,7 @@ from engine.text.tokens import TokenizerView
 def load_tokenizer(engine_config: EngineConfig) -> TokenizerView:
     from transformers import AutoTokenizer
 
-    from engine.weights import loader
+    from engine.weights import checkpoint
 
-    folder, _ = loader.resolve_checkpoint(engine_config.model, engine_config.cache_path)
+    folder, _ = checkpoint.resolve_checkpoint(engine_config.model, engine_config.cache_path)
     return TokenizerView(AutoTokenizer.from_pretrained(folder))

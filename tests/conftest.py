@@ -16,7 +16,8 @@ import torch
 
 from engine import Engine, EngineConfig, kernels
 from engine.config import default_cache_dir
-from engine.weights.loader import LoadedModel, build_native, default_gguf_path, dequantized_checkpoint
+from engine.weights.checkpoint import default_gguf_path, dequantized_checkpoint
+from engine.weights.loader import LoadedModel, build_native
 from engine.models import NATIVE_MODELS
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
 """What llama.cpp's converter writes into a GGUF that transformers' GGUF reader leaves out, put back into the config
-and the tokenizer (loader.gguf_metadata writes them once), so that the native model computes what the original
+and the tokenizer (checkpoint.gguf_metadata writes them once), so that the native model computes what the original
 checkpoint computed, on the tokens it was trained on, rather than transformers' defaults.
 
 Tokenizer: transformers 5 sets the pre-tokenizer (how text is split before the merges) only for the

@@ -23,7 +23,7 @@ from engine.weights.gguf_blocks import GGUF_TYPES
 from engine.kernels import GGUF_REPACK_LAYOUTS, layouts
 from engine.weights.layers import (Int4Embedding, Int4Linear, Q4Embedding, Q4KEmbedding, Q4KLinear, Q4Linear, Q8Embedding,
                            Q8Linear)
-from engine.weights.loader import default_gguf_path
+from engine.weights.checkpoint import default_gguf_path
 
 BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q4_K: (256, 144), T.Q5_0: (32, 22), T.Q6_K: (256, 210),
          T.Q8_0: (32, 34)}
@@ -267,7 +267,7 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
     from transformers import AutoConfig
 
     from engine.weights.gguf_file import GgufFile
-    from engine.weights.loader import gguf_metadata
+    from engine.weights.checkpoint import gguf_metadata
     from engine.weights.streamed_load import build_model
 
     hf_config = AutoConfig.from_pretrained(gguf_metadata(tiny_gguf, tmp_path))

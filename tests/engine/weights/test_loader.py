@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from engine import EngineConfig, ModelLoadError
-from engine.weights.loader import default_gguf_path, read_state_dict, resolve_checkpoint
+from engine.weights.checkpoint import default_gguf_path, resolve_checkpoint
+from engine.weights.loader import read_state_dict
 
 ROOT = Path(__file__).resolve().parents[3]
 

