@@ -5,7 +5,7 @@
     .venv/bin/python bench/gguf_perplexity.py --llama-bin ~/.cache/llama-cpp-src/llama.cpp/build/bin \
         [FILE.gguf ...]                     # no file: the default model
 
-Text: CPython's LICENSE.txt (from this interpreter's stdlib), as the README's other perplexities. Method: llama.cpp's
+Text: CPython's LICENSE.txt (from this interpreter's stdlib), as engine/README.md's other perplexities. Method: llama.cpp's
 (tools/perplexity): the text's tokens (BOS first where the file says to add one) cut into --chunks chunks of --ctx
 tokens, each evaluated from an empty cache with its first token replaced by BOS, and only the second half of each
 chunk scored, so every scored token has at least ctx/2 tokens before it. Tern's numbers come from its prompt

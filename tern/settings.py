@@ -125,8 +125,8 @@ ENGINE_FLAGS = (
     Flag("native-decode", "native_decode", "TERN_NATIVE_DECODE", "on CPU, run decode steps of int8/int4 float32 "
          "models in Tern's C++ step, all layers in one call", is_switch=True),
     Flag("compile", "compile", "TERN_COMPILE", "torch.compile the decode step where the native one does not serve "
-         "(none/int8/int4 weights). On CPU the server answers at once with the eager step and switches to the compiled "
-         "one when it is built (minutes on the first start, ~20 s later)", is_switch=True),
+         "(none/int8/int4 weights). /health says ready once it is built (minutes on a machine's first start, "
+         "~20 s later), so no request is served at the eager step's fifth of the speed", is_switch=True),
     Flag("cuda-graphs", "cuda_graphs", "TERN_CUDA_GRAPHS", "on CUDA, replay decode steps from captured CUDA graphs",
          is_switch=True),
     Flag("cache-dir", "cache_dir", "TERN_CACHE", "converted models and built CPU kernels; unset: ~/.cache/tern"),

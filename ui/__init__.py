@@ -53,7 +53,7 @@ HEADER_REFRESH_S = 3.0  # until the model has loaded
 # Gradio's queue looks for new UI events every 1 ms and for progress to send every 10 ms, even when idle
 # (gradio/queueing.py: Queue.sleep_when_free, progress_update_sleep_when_free). Each look wakes the event loop
 # and takes the GIL: ~6% of a core while idle on the 2-core CPU machine, and up to ~17% of 16 decoding API
-# streams' throughput, because every wake-up takes a core from the engine's matmul threads (README, Performance).
+# streams' throughput, because every wake-up takes a core from the engine's matmul threads (bench/README.md, Performance).
 # 20 ms before a UI event starts is not something a person notices.
 QUEUE_POLL_S = 0.02
 QUEUE_PROGRESS_POLL_S = 0.05
