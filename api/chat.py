@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 
 from engine import Engine, EngineError, SamplingParams
 
-from api import tools as tool_calls
+from api import function_tools
 from api.errors import OpenAIError
 from api.generation import Generation, Sample, until_disconnected
 from api.logprobs import chat_logprobs, visible_logprobs
@@ -48,7 +48,7 @@ def add_routes(router: APIRouter, server: Server) -> None:
 
 
 async def start_chat(server: Server, engine: Engine, messages: list[dict], params: SamplingParams,
-                     tools: tool_calls.Tools, answer: AnswerFormat, response_id: str, request: Request) -> Generation:
+                     tools: function_tools.Tools, answer: AnswerFormat, response_id: str, request: Request) -> Generation:
     """A chat's generation, submitted: the prompt rendered with the tools it may call, the reply's grammar compiled.
     Chat and the Responses API both start here."""
     prompt_ids = prompt_ids_for(engine, messages, tools)
@@ -61,7 +61,7 @@ async def start_chat(server: Server, engine: Engine, messages: list[dict], param
         raise
 
 
-def chat_tools(body: ChatCompletionRequest) -> tool_calls.Tools:
+def chat_tools(body: ChatCompletionRequest) -> function_tools.Tools:
     definitions = [(t.function.name, t.function.description, t.function.parameters) for t in body.tools or []]
     for i, tool in enumerate(body.tools or []):
         if tool.type != "function":
@@ -72,18 +72,18 @@ def chat_tools(body: ChatCompletionRequest) -> tool_calls.Tools:
         if choice.type != "function":
             raise OpenAIError(400, f"tool_choice of type {choice.type!r} is not supported", param="tool_choice")
         choice, name = "function", choice.function.name
-    return tool_calls.resolve(definitions, choice, name, body.parallel_tool_calls)
+    return function_tools.resolve(definitions, choice, name, body.parallel_tool_calls)
 
 
 def chat_text(engine: Engine, messages: list[ChatMessage] | list[dict], add_generation_prompt: bool = True,
-              tools: tool_calls.Tools = tool_calls.NO_TOOLS) -> str:
+              tools: function_tools.Tools = function_tools.NO_TOOLS) -> str:
     """Chat messages rendered through the model's chat template (what /tokenize shows)."""
     with _template_refusals():
         return engine.tokenizer.render_chat(_as_dicts(messages), add_generation_prompt, tools.functions)
 
 
 def prompt_ids_for(engine: Engine, messages: list[ChatMessage] | list[dict],
-                   tools: tool_calls.Tools = tool_calls.NO_TOOLS) -> list[int]:
+                   tools: function_tools.Tools = function_tools.NO_TOOLS) -> list[int]:
     """The prompt the engine runs for these messages: the same function renders the UI's chats."""
     with _template_refusals():
         return engine.tokenizer.chat_prompt_ids(_as_dicts(messages), tools.functions)
@@ -103,14 +103,14 @@ def _template_refusals():
         raise OpenAIError(400, f"The chat template could not render these messages: {exc}", param="messages") from exc
 
 
-def _choice(sample: Sample, want_logprobs: bool, engine: Engine, tools: tool_calls.Tools) -> ChatChoice:
+def _choice(sample: Sample, want_logprobs: bool, engine: Engine, tools: function_tools.Tools) -> ChatChoice:
     logprobs = None
     if want_logprobs:
         entries = visible_logprobs(sample.logprobs or [], sample.finish_reason, sample.stop_reason)
         logprobs = {"content": chat_logprobs(entries, engine.tokenizer), "refusal": None}
     content, calls = sample.text, None
     if tools.parses_calls:
-        reply = tool_calls.ReplySplitter()
+        reply = function_tools.ReplySplitter()
         reply.feed(sample.text)
         reply.finish()
         content = reply.text or (None if reply.calls else "")
@@ -119,22 +119,22 @@ def _choice(sample: Sample, want_logprobs: bool, engine: Engine, tools: tool_cal
         index=sample.index,
         message=ChatMessageOut(content=content, tool_calls=calls),
         logprobs=logprobs,
-        finish_reason=tool_calls.finish_reason(sample.finish_reason, bool(calls)),
+        finish_reason=function_tools.finish_reason(sample.finish_reason, bool(calls)),
     )
 
 
-def _tool_call(call: tool_calls.CallOut) -> dict:
+def _tool_call(call: function_tools.CallOut) -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 async def _chunks(generation: Generation, head: dict, body: ChatCompletionRequest, engine: Engine,
-                  tools: tool_calls.Tools) -> AsyncIterator[ChatCompletionChunk]:
+                  tools: function_tools.Tools) -> AsyncIterator[ChatCompletionChunk]:
     """OpenAI's sequence per choice: a role delta, content (or tool-call) deltas, an empty delta with
     finish_reason; then the usage chunk (choices: []) when asked for, with usage null on every other chunk.
     Chunks are the models /openapi.json shows, sent with the fields they were built with (api/sse.py)."""
     base = {**head, "object": "chat.completion.chunk"}
     usage = {"usage": None} if body.include_usage else {}
-    replies = {s.index: tool_calls.ReplySplitter() for s in generation.samples} if tools.parses_calls else {}
+    replies = {s.index: function_tools.ReplySplitter() for s in generation.samples} if tools.parses_calls else {}
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None):
         choice = ChatChunkChoice(index=index, delta=ChatDelta(**delta), logprobs=logprobs, finish_reason=finish_reason)
@@ -157,14 +157,14 @@ async def _chunks(generation: Generation, head: dict, body: ChatCompletionReques
                 yield chunk(sample.index, delta or {"content": ""}, logprobs=logprobs)
             if out.finish_reason is not None:
                 has_calls = reply is not None and bool(reply.calls)
-                yield chunk(sample.index, {}, tool_calls.finish_reason(out.finish_reason, has_calls))
+                yield chunk(sample.index, {}, function_tools.finish_reason(out.finish_reason, has_calls))
         if body.include_usage:
             yield ChatCompletionChunk(**base, choices=[], usage=generation.usage())
     finally:
         generation.abort()  # a client gone before the first output never entered outputs()
 
 
-def _reply_delta(reply: tool_calls.ReplySplitter, text: str, is_last: bool) -> dict:
+def _reply_delta(reply: function_tools.ReplySplitter, text: str, is_last: bool) -> dict:
     """A chunk's delta from one engine output: its content, and its tool calls in OpenAI's stream shape (index, id,
     type and name on a call's first delta, argument fragments after)."""
     content, calls = reply.feed(text)

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import FINISH_ABORT
 
-from api import tools as tool_calls
+from api import function_tools
 from api.bodies import ERRORS
 from api.chat import start_chat
 from api.errors import OpenAIError, to_openai_error
@@ -71,7 +71,7 @@ class _Run:
         self.response_id = generation.response_id
         self.created_at = int(time.time())
         self.model = model
-        self.reply = tool_calls.ReplySplitter()
+        self.reply = function_tools.ReplySplitter()
         self.parses_calls = parses_calls
         self.output = OutputBuilder()
         self.tools = [_tool_echo(t) for t in body.tools or []]
