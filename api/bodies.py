@@ -23,12 +23,12 @@ class TopLogprob(BaseModel):
     bytes: list[int] | None = Field(description="The token's exact UTF-8 bytes.")
 
 
-class TokenLogprob(TopLogprob):
+class ChatCompletionTokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]
 
 
 class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob] | None
+    content: list[ChatCompletionTokenLogprob] | None
     refusal: None = None
 
 
