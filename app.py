@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from api.limits import DEFAULT_MAX_BODY_SIZE_BYTES
-from api.responses_store import DEFAULT_MAX_STORED_RESPONSES
+from api.responses import DEFAULT_MAX_STORED_RESPONSES
 from api.shutdown import DEFAULT_DRAIN_TIMEOUT_S, FLUSH_TIMEOUT_S, DrainingServer
 from engine import Engine, EngineConfig, EngineHandle, ModelLoadError
 from engine.config import DTYPES, DEVICES, QUANTIZATIONS

@@ -11,7 +11,7 @@ from api.auth import bearer_scheme
 from api.cors import APICORSMiddleware
 from api.errors import OpenAIError, install_error_handlers
 from api.limits import BodySizeLimitMiddleware
-from api.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
+from api.responses import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from api.server import RequestIDMiddleware, Server
 
 __all__ = ["APICORSMiddleware", "BodySizeLimitMiddleware", "RequestIDMiddleware", "build_router", "install_error_handlers"]
@@ -23,7 +23,7 @@ def build_router(handle: EngineHandle, api_key: str | None = None,
                  max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> APIRouter:
     """All API routes over one engine handle. With api_key, every route that runs the model or its tokenizer needs
     `Authorization: Bearer <key>`; /health, /ready and /metrics (api.server.OPEN_PATHS) stay open for probes.
-    max_stored_responses bounds the Responses API's store (api/responses_store.py)."""
+    max_stored_responses bounds the Responses API's store (api/responses/store.py)."""
     server = Server(handle, api_key)
     route_class = server.route_class()
     # The bearer dependency only documents the key in /openapi.json; the route class checks it.

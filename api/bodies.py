@@ -1,5 +1,5 @@
 """Response bodies of chat, completions, models and errors in OpenAI's shapes, for /openapi.json and for building
-non-streamed answers (the Responses API's own shapes are in api/responses_output.py)."""
+non-streamed answers (the Responses API's own shapes are in api/responses/output.py)."""
 from __future__ import annotations
 
 from typing import Literal

@@ -18,12 +18,12 @@ from api.bodies import ERRORS
 from api.chat import start_chat
 from api.errors import OpenAIError, to_openai_error
 from api.generation import Generation, until_disconnected
-from api.responses_bodies import DeletedResponse, ResponseObject, streamed_events
-from api.responses_input import (
+from api.responses.bodies import DeletedResponse, ResponseObject, streamed_events
+from api.responses.input import (
     ResponsesRequest, input_messages, output_messages, response_tools, text_format,
 )
-from api.responses_output import OutputBuilder, new_id, response_object, usage
-from api.responses_store import ResponseStore, StoredResponse
+from api.responses.output import OutputBuilder, new_id, response_object, usage
+from api.responses.store import ResponseStore, StoredResponse
 from api.server import Server
 from api.sse import HEADERS
 
