@@ -20,11 +20,11 @@ from api.response_format import AnswerFormat, chat_format, grammar_for
 from api.bodies import (
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatMessageOut, streamed,
 )
-from api.server import Server
+from api.route_context import RouteContext
 from api.sse import event_stream
 
 
-def add_routes(router: APIRouter, server: Server) -> None:
+def add_routes(router: APIRouter, context: RouteContext) -> None:
     @router.post(
         "/v1/chat/completions",
         response_model=ChatCompletion,
@@ -32,14 +32,14 @@ def add_routes(router: APIRouter, server: Server) -> None:
         summary="Create a chat completion",
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
-        engine = server.engine(body.model)
+        engine = context.engine(body.model)
         params = body.to_sampling_params()
         tools = chat_tools(body)
         messages = template_messages(body.messages)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation = await start_chat(server, engine, messages, params, tools, chat_format(body.response_format),
+        generation = await start_chat(context, engine, messages, params, tools, chat_format(body.response_format),
                                       response_id, request)
-        head = {"id": response_id, "created": int(time.time()), "model": server.model_name}
+        head = {"id": response_id, "created": int(time.time()), "model": context.model_name}
         if body.stream:
             return event_stream(_chunks(generation, head, body, engine, tools))
         samples = await until_disconnected(request, generation.collect())
@@ -47,14 +47,14 @@ def add_routes(router: APIRouter, server: Server) -> None:
         return ChatCompletion(**head, choices=choices, usage=generation.usage())
 
 
-async def start_chat(server: Server, engine: Engine, messages: list[dict], params: SamplingParams,
+async def start_chat(context: RouteContext, engine: Engine, messages: list[dict], params: SamplingParams,
                      tools: function_tools.Tools, answer: AnswerFormat, response_id: str, request: Request) -> Generation:
     """A chat's generation, submitted: the prompt rendered with the tools it may call, the reply's grammar compiled.
     Chat and the Responses API both start here."""
     prompt_ids = prompt_ids_for(engine, messages, tools)
     params = dataclasses.replace(params, grammar=await grammar_for(engine, answer, tools))
     try:
-        return Generation(engine, [prompt_ids], params, response_id, server.metrics, request.state.request_id)
+        return Generation(engine, [prompt_ids], params, response_id, context.metrics, request.state.request_id)
     except EngineError as exc:
         if exc.param == "prompt":  # the engine saw a prompt; the client sent messages
             exc.param = "messages"

@@ -24,15 +24,15 @@ from api.responses.input import (
 )
 from api.responses.output import OutputBuilder, new_id, response_object, usage
 from api.responses.store import ResponseStore, StoredResponse
-from api.server import Server
+from api.route_context import RouteContext
 from api.sse import HEADERS
 
 
-def add_routes(router: APIRouter, server: Server, store: ResponseStore) -> None:
+def add_routes(router: APIRouter, context: RouteContext, store: ResponseStore) -> None:
     @router.post("/v1/responses", response_model=ResponseObject, responses=streamed_events(),
                  summary="Create a response")
     async def create_response(body: ResponsesRequest, request: Request):
-        engine = server.engine(body.model)
+        engine = context.engine(body.model)
         params = body.to_sampling_params()
         history: list[dict] = []
         if body.previous_response_id is not None:
@@ -41,9 +41,9 @@ def add_routes(router: APIRouter, server: Server, store: ResponseStore) -> None:
         tools = response_tools(body)
         instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
         response_id = new_id("resp")
-        generation = await start_chat(server, engine, instructions + history + new_input, params, tools,
+        generation = await start_chat(context, engine, instructions + history + new_input, params, tools,
                                       text_format(body.text), response_id, request)
-        run = _Run(body, generation, history + new_input, server.model_name, store, tools.parses_calls)
+        run = _Run(body, generation, history + new_input, context.model_name, store, tools.parses_calls)
         if body.stream:
             return StreamingResponse(_framed(run.events()), media_type="text/event-stream", headers=HEADERS)
         await until_disconnected(request, generation.collect())
