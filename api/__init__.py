@@ -11,8 +11,8 @@ from api.auth import bearer_scheme
 from api.cors import APICORSMiddleware
 from api.errors import OpenAIError, install_error_handlers
 from api.limits import BodySizeLimitMiddleware
-from api.responses_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
-from api.server import RequestIDMiddleware, Server
+from api.responses import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
+from api.route_context import RequestIDMiddleware, RouteContext
 
 __all__ = ["APICORSMiddleware", "BodySizeLimitMiddleware", "RequestIDMiddleware", "build_router", "install_error_handlers"]
 
@@ -22,17 +22,17 @@ _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS", "TRACE",
 def build_router(handle: EngineHandle, api_key: str | None = None,
                  max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> APIRouter:
     """All API routes over one engine handle. With api_key, every route that runs the model or its tokenizer needs
-    `Authorization: Bearer <key>`; /health, /ready and /metrics (api.server.OPEN_PATHS) stay open for probes.
-    max_stored_responses bounds the Responses API's store (api/responses_store.py)."""
-    server = Server(handle, api_key)
-    route_class = server.route_class()
+    `Authorization: Bearer <key>`; /health, /ready and /metrics (api.route_context.OPEN_PATHS) stay open for probes.
+    max_stored_responses bounds the Responses API's store (api/responses/store.py)."""
+    context = RouteContext(handle, api_key)
+    route_class = context.route_class()
     # The bearer dependency only documents the key in /openapi.json; the route class checks it.
-    v1 = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)] if server.api_key else None)
-    chat.add_routes(v1, server)
-    completions.add_routes(v1, server)
-    responses.add_routes(v1, server, ResponseStore(max_stored_responses))
-    scoring.add_routes(v1, server)
-    models.add_routes(v1, server)
+    v1 = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)] if context.api_key else None)
+    chat.add_routes(v1, context)
+    completions.add_routes(v1, context)
+    responses.add_routes(v1, context, ResponseStore(max_stored_responses))
+    scoring.add_routes(v1, context)
+    models.add_routes(v1, context)
     _answer_every_method(v1)
 
     # Last: the UI is mounted at "/" and would answer any other /v1 path with a page; clients want JSON.
@@ -40,18 +40,18 @@ def build_router(handle: EngineHandle, api_key: str | None = None,
     async def unknown_route(request: Request, path: str):
         raise OpenAIError(404, f"Invalid URL ({request.method} /v1/{path})", code="unknown_url")
 
-    tokenizer = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)] if server.api_key else None)
-    tokenize.add_routes(tokenizer, server)
+    tokenizer = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)] if context.api_key else None)
+    tokenize.add_routes(tokenizer, context)
     _answer_every_method(tokenizer)
     status = APIRouter(route_class=route_class)
-    models.add_status_routes(status, server)
+    models.add_status_routes(status, context)
     _answer_every_method(status)
 
     router = APIRouter()
     router.include_router(v1)
     router.include_router(tokenizer)
     router.include_router(status)
-    router.metrics = server.metrics  # for whoever reports them outside HTTP too (deploy/: each Ray replica's)
+    router.metrics = context.metrics  # for whoever reports them outside HTTP too (deploy/: each Ray replica's)
     return router
 
 

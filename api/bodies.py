@@ -1,5 +1,5 @@
 """Response bodies of chat, completions, models and errors in OpenAI's shapes, for /openapi.json and for building
-non-streamed answers (the Responses API's own shapes are in api/responses_output.py)."""
+non-streamed answers (the Responses API's own shapes are in api/responses/output.py)."""
 from __future__ import annotations
 
 from typing import Literal
@@ -23,12 +23,12 @@ class TopLogprob(BaseModel):
     bytes: list[int] | None = Field(description="The token's exact UTF-8 bytes.")
 
 
-class TokenLogprob(TopLogprob):
+class ChatCompletionTokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]
 
 
 class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob] | None
+    content: list[ChatCompletionTokenLogprob] | None
     refusal: None = None
 
 

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 
 from engine import Engine, EngineError, SamplingParams
 
-from api import tools as tool_calls
+from api import function_tools
 from api.errors import OpenAIError
 from api.generation import Generation, Sample, until_disconnected
 from api.logprobs import chat_logprobs, visible_logprobs
@@ -20,11 +20,11 @@ from api.response_format import AnswerFormat, chat_format, grammar_for
 from api.bodies import (
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatMessageOut, streamed,
 )
-from api.server import Server
+from api.route_context import RouteContext
 from api.sse import event_stream
 
 
-def add_routes(router: APIRouter, server: Server) -> None:
+def add_routes(router: APIRouter, context: RouteContext) -> None:
     @router.post(
         "/v1/chat/completions",
         response_model=ChatCompletion,
@@ -32,14 +32,14 @@ def add_routes(router: APIRouter, server: Server) -> None:
         summary="Create a chat completion",
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
-        engine = server.engine(body.model)
+        engine = context.engine(body.model)
         params = body.to_sampling_params()
         tools = chat_tools(body)
         messages = template_messages(body.messages)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation = await start_chat(server, engine, messages, params, tools, chat_format(body.response_format),
+        generation = await start_chat(context, engine, messages, params, tools, chat_format(body.response_format),
                                       response_id, request)
-        head = {"id": response_id, "created": int(time.time()), "model": server.model_name}
+        head = {"id": response_id, "created": int(time.time()), "model": context.model_name}
         if body.stream:
             return event_stream(_chunks(generation, head, body, engine, tools))
         samples = await until_disconnected(request, generation.collect())
@@ -47,21 +47,21 @@ def add_routes(router: APIRouter, server: Server) -> None:
         return ChatCompletion(**head, choices=choices, usage=generation.usage())
 
 
-async def start_chat(server: Server, engine: Engine, messages: list[dict], params: SamplingParams,
-                     tools: tool_calls.Tools, answer: AnswerFormat, response_id: str, request: Request) -> Generation:
+async def start_chat(context: RouteContext, engine: Engine, messages: list[dict], params: SamplingParams,
+                     tools: function_tools.Tools, answer: AnswerFormat, response_id: str, request: Request) -> Generation:
     """A chat's generation, submitted: the prompt rendered with the tools it may call, the reply's grammar compiled.
     Chat and the Responses API both start here."""
     prompt_ids = prompt_ids_for(engine, messages, tools)
     params = dataclasses.replace(params, grammar=await grammar_for(engine, answer, tools))
     try:
-        return Generation(engine, [prompt_ids], params, response_id, server.metrics, request.state.request_id)
+        return Generation(engine, [prompt_ids], params, response_id, context.metrics, request.state.request_id)
     except EngineError as exc:
         if exc.param == "prompt":  # the engine saw a prompt; the client sent messages
             exc.param = "messages"
         raise
 
 
-def chat_tools(body: ChatCompletionRequest) -> tool_calls.Tools:
+def chat_tools(body: ChatCompletionRequest) -> function_tools.Tools:
     definitions = [(t.function.name, t.function.description, t.function.parameters) for t in body.tools or []]
     for i, tool in enumerate(body.tools or []):
         if tool.type != "function":
@@ -72,18 +72,18 @@ def chat_tools(body: ChatCompletionRequest) -> tool_calls.Tools:
         if choice.type != "function":
             raise OpenAIError(400, f"tool_choice of type {choice.type!r} is not supported", param="tool_choice")
         choice, name = "function", choice.function.name
-    return tool_calls.resolve(definitions, choice, name, body.parallel_tool_calls)
+    return function_tools.resolve(definitions, choice, name, body.parallel_tool_calls)
 
 
 def chat_text(engine: Engine, messages: list[ChatMessage] | list[dict], add_generation_prompt: bool = True,
-              tools: tool_calls.Tools = tool_calls.NO_TOOLS) -> str:
+              tools: function_tools.Tools = function_tools.NO_TOOLS) -> str:
     """Chat messages rendered through the model's chat template (what /tokenize shows)."""
     with _template_refusals():
         return engine.tokenizer.render_chat(_as_dicts(messages), add_generation_prompt, tools.functions)
 
 
 def prompt_ids_for(engine: Engine, messages: list[ChatMessage] | list[dict],
-                   tools: tool_calls.Tools = tool_calls.NO_TOOLS) -> list[int]:
+                   tools: function_tools.Tools = function_tools.NO_TOOLS) -> list[int]:
     """The prompt the engine runs for these messages: the same function renders the UI's chats."""
     with _template_refusals():
         return engine.tokenizer.chat_prompt_ids(_as_dicts(messages), tools.functions)
@@ -103,14 +103,14 @@ def _template_refusals():
         raise OpenAIError(400, f"The chat template could not render these messages: {exc}", param="messages") from exc
 
 
-def _choice(sample: Sample, want_logprobs: bool, engine: Engine, tools: tool_calls.Tools) -> ChatChoice:
+def _choice(sample: Sample, want_logprobs: bool, engine: Engine, tools: function_tools.Tools) -> ChatChoice:
     logprobs = None
     if want_logprobs:
         entries = visible_logprobs(sample.logprobs or [], sample.finish_reason, sample.stop_reason)
         logprobs = {"content": chat_logprobs(entries, engine.tokenizer), "refusal": None}
     content, calls = sample.text, None
     if tools.parses_calls:
-        reply = tool_calls.ReplySplitter()
+        reply = function_tools.ReplySplitter()
         reply.feed(sample.text)
         reply.finish()
         content = reply.text or (None if reply.calls else "")
@@ -119,22 +119,22 @@ def _choice(sample: Sample, want_logprobs: bool, engine: Engine, tools: tool_cal
         index=sample.index,
         message=ChatMessageOut(content=content, tool_calls=calls),
         logprobs=logprobs,
-        finish_reason=tool_calls.finish_reason(sample.finish_reason, bool(calls)),
+        finish_reason=function_tools.finish_reason(sample.finish_reason, bool(calls)),
     )
 
 
-def _tool_call(call: tool_calls.CallOut) -> dict:
+def _tool_call(call: function_tools.CallOut) -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 async def _chunks(generation: Generation, head: dict, body: ChatCompletionRequest, engine: Engine,
-                  tools: tool_calls.Tools) -> AsyncIterator[ChatCompletionChunk]:
+                  tools: function_tools.Tools) -> AsyncIterator[ChatCompletionChunk]:
     """OpenAI's sequence per choice: a role delta, content (or tool-call) deltas, an empty delta with
     finish_reason; then the usage chunk (choices: []) when asked for, with usage null on every other chunk.
     Chunks are the models /openapi.json shows, sent with the fields they were built with (api/sse.py)."""
     base = {**head, "object": "chat.completion.chunk"}
     usage = {"usage": None} if body.include_usage else {}
-    replies = {s.index: tool_calls.ReplySplitter() for s in generation.samples} if tools.parses_calls else {}
+    replies = {s.index: function_tools.ReplySplitter() for s in generation.samples} if tools.parses_calls else {}
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None):
         choice = ChatChunkChoice(index=index, delta=ChatDelta(**delta), logprobs=logprobs, finish_reason=finish_reason)
@@ -157,14 +157,14 @@ async def _chunks(generation: Generation, head: dict, body: ChatCompletionReques
                 yield chunk(sample.index, delta or {"content": ""}, logprobs=logprobs)
             if out.finish_reason is not None:
                 has_calls = reply is not None and bool(reply.calls)
-                yield chunk(sample.index, {}, tool_calls.finish_reason(out.finish_reason, has_calls))
+                yield chunk(sample.index, {}, function_tools.finish_reason(out.finish_reason, has_calls))
         if body.include_usage:
             yield ChatCompletionChunk(**base, choices=[], usage=generation.usage())
     finally:
         generation.abort()  # a client gone before the first output never entered outputs()
 
 
-def _reply_delta(reply: tool_calls.ReplySplitter, text: str, is_last: bool) -> dict:
+def _reply_delta(reply: function_tools.ReplySplitter, text: str, is_last: bool) -> dict:
     """A chunk's delta from one engine output: its content, and its tool calls in OpenAI's stream shape (index, id,
     type and name on a call's first delta, argument fragments after)."""
     content, calls = reply.feed(text)

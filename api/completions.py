@@ -16,11 +16,11 @@ from api.logprobs import completion_logprobs, merge_logprobs, text_offsets
 from api.protocol import CompletionRequest
 from api.response_format import chat_format, grammar_for
 from api.bodies import CompletionChoice, TextCompletion, streamed
-from api.server import Server
+from api.route_context import RouteContext
 from api.sse import event_stream
 
 
-def add_routes(router: APIRouter, server: Server) -> None:
+def add_routes(router: APIRouter, context: RouteContext) -> None:
     @router.post(
         "/v1/completions",
         response_model=TextCompletion,
@@ -28,16 +28,16 @@ def add_routes(router: APIRouter, server: Server) -> None:
         summary="Create a completion",
     )
     async def create_completion(body: CompletionRequest, request: Request):
-        engine = server.engine(body.model)
+        engine = context.engine(body.model)
         params = body.to_sampling_params()
         prompts = body.prompts()
         # Text is tokenized as the engine would (with the tokenizer's special tokens); token ids are used as given.
         prompt_ids = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
         params = dataclasses.replace(params, grammar=await grammar_for(engine, chat_format(body.response_format)))
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        generation = Generation(engine, prompt_ids, params, response_id, server.metrics, request.state.request_id)
+        generation = Generation(engine, prompt_ids, params, response_id, context.metrics, request.state.request_id)
         choices = _Choices(body, prompts, generation, engine)
-        head = {"id": response_id, "created": int(time.time()), "model": server.model_name}
+        head = {"id": response_id, "created": int(time.time()), "model": context.model_name}
         if body.stream:
             return event_stream(_chunks(generation, choices, head, body.include_usage))
         samples = await until_disconnected(request, generation.collect())

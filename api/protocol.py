@@ -149,7 +149,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="Default: up to the end of the context.")
     logprobs: bool | None = Field(False, description="Return each output token's logprob.")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Alternatives per token, 0 to 20.")
-    tools: list[ChatTool] | None = Field(None, description="Functions the model may call (api/tools.py).")
+    tools: list[ChatTool] | None = Field(None, description="Functions the model may call (api/function_tools.py).")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="Default: \"auto\" with tools, else \"none\". \"required\" and a named function hold the "
         "reply to valid calls by a grammar.")

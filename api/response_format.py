@@ -3,7 +3,7 @@
 `{"type": "text"}` (the default) asks for nothing; `{"type": "json_object"}` for one JSON object;
 `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}` for a value valid against the schema. The
 schema is enforced whatever `strict` says (OpenAI only guarantees it with strict: true; vLLM enforces it always).
-Beside tools that may be called (api/tools.py), the reply is calls or such a value, under one grammar.
+Beside tools that may be called (api/function_tools.py), the reply is calls or such a value, under one grammar.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import jsonschema
 from engine import Engine, GrammarError
 from engine.text.grammar import Grammar
 
-from api import tools as tool_calls
+from api import function_tools
 from api.errors import OpenAIError
 
 TYPES = ("text", "json_object", "json_schema")
@@ -67,14 +67,14 @@ def schema_format(name: Any, schema: Any, param: str, where: str) -> AnswerForma
     return answer
 
 
-async def grammar_for(engine: Engine, answer: AnswerFormat, tools: tool_calls.Tools = tool_calls.NO_TOOLS
+async def grammar_for(engine: Engine, answer: AnswerFormat, tools: function_tools.Tools = function_tools.NO_TOOLS
                       ) -> Grammar | None:
     """The grammar a request asks for (None: free text). Compiling runs off the event loop and off the engine's
     thread: a slow schema delays only its own request."""
     if tools.use is not None:
         if answer.schema is not None:  # checked on its own first, so that a bad schema is named as such
             await _compiled(engine, answer)
-        return await tool_calls.compile_grammar(engine, tools, answer.schema)
+        return await function_tools.compile_grammar(engine, tools, answer.schema)
     if answer.schema is None:
         return None
     return await _compiled(engine, answer)

@@ -12,7 +12,7 @@ from api.errors import OpenAIError
 from api.generation import until_disconnected
 from api.protocol import MAX_PROMPTS
 from api.bodies import ERRORS
-from api.server import Server
+from api.route_context import RouteContext
 
 # The engine's names for the two sides of a pair, and ours.
 _PARAMS = {"prompt": "prompts", "continuation": "continuations"}
@@ -38,7 +38,7 @@ class LoglikelihoodResponse(BaseModel):
     tokens: list[list[int]] = Field(description="Each continuation's token ids (their count is len()).")
 
 
-def add_routes(router: APIRouter, server: Server) -> None:
+def add_routes(router: APIRouter, context: RouteContext) -> None:
     @router.post(
         "/v1/loglikelihood",
         response_model=LoglikelihoodResponse,
@@ -48,7 +48,7 @@ def add_routes(router: APIRouter, server: Server) -> None:
         "(a prompt's trailing whitespace moves into the continuation); token ids are used as given.",
     )
     async def loglikelihood(body: LoglikelihoodRequest, request: Request) -> LoglikelihoodResponse:
-        engine = server.engine(body.model)
+        engine = context.engine(body.model)
         if len(body.prompts) != len(body.continuations):
             message = f"got {len(body.prompts)} prompts but {len(body.continuations)} continuations; pair them one to one"
             raise OpenAIError(400, message, param="continuations")

@@ -8,7 +8,7 @@ from api.chat import chat_text
 from api.errors import OpenAIError
 from api.protocol import ChatMessage
 from api.bodies import ERRORS
-from api.server import Server
+from api.route_context import RouteContext
 
 
 class TokenizeRequest(BaseModel):
@@ -51,10 +51,10 @@ class TokenizerInfo(BaseModel):
     vocab_size: int
 
 
-def add_routes(router: APIRouter, server: Server) -> None:
+def add_routes(router: APIRouter, context: RouteContext) -> None:
     @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS, summary="Text or chat -> token ids")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        engine = server.engine(body.model)
+        engine = context.engine(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "send exactly one of `prompt` or `messages`", param="prompt")
         if body.messages is not None:
@@ -67,7 +67,7 @@ def add_routes(router: APIRouter, server: Server) -> None:
 
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS, summary="Token ids -> text")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        engine = server.engine(body.model)
+        engine = context.engine(body.model)
         bad = [t for t in body.tokens if not 0 <= t < engine.tokenizer.vocab_size]
         if bad:
             message = f"token id {bad[0]} is outside the vocabulary (0..{engine.tokenizer.vocab_size - 1})"
@@ -76,7 +76,7 @@ def add_routes(router: APIRouter, server: Server) -> None:
 
     @router.get("/tokenizer_info", response_model=TokenizerInfo, responses=ERRORS, summary="Special tokens, template")
     async def tokenizer_info() -> TokenizerInfo:
-        engine = server.engine()
+        engine = context.engine()
         tokenizer = engine.tokenizer
         return TokenizerInfo(**tokenizer.special_tokens, chat_template=tokenizer.chat_template,
                              model_max_length=engine.max_model_len, vocab_size=tokenizer.vocab_size)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from api.limits import DEFAULT_MAX_BODY_SIZE_BYTES
-from api.responses_store import DEFAULT_MAX_STORED_RESPONSES
+from api.responses import DEFAULT_MAX_STORED_RESPONSES
 from api.shutdown import DEFAULT_DRAIN_TIMEOUT_S
 from engine import EngineConfig
 from engine.config import DEVICES, DTYPES, QUANTIZATIONS

@@ -6,7 +6,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
-from api.server import RequestIDMiddleware
+from api.route_context import RequestIDMiddleware
 
 
 def _client() -> TestClient:

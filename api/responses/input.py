@@ -8,7 +8,7 @@ from pydantic import Field
 
 from engine import SamplingParams
 
-from api import tools as tool_calls
+from api import function_tools
 from api.errors import OpenAIError
 from api.protocol import _Body
 from api.response_format import AnswerFormat, invalid, schema_format, unsupported_type
@@ -92,7 +92,7 @@ def output_messages(output: list[dict]) -> list[dict]:
     return input_messages([item for item in output if item["type"] in ("message", "function_call")]) if output else []
 
 
-def response_tools(request: ResponsesRequest) -> tool_calls.Tools:
+def response_tools(request: ResponsesRequest) -> function_tools.Tools:
     definitions = []
     for i, tool in enumerate(request.tools or []):
         if tool.get("type") != "function":
@@ -115,7 +115,7 @@ def response_tools(request: ResponsesRequest) -> tool_calls.Tools:
     elif choice is not None and choice not in ("none", "auto", "required"):
         raise OpenAIError(400, f"tool_choice {choice!r} is not one of none, auto, required", param="tool_choice",
                           code="invalid_value")
-    return tool_calls.resolve(definitions, choice, name, request.parallel_tool_calls, where="tools[{i}]")
+    return function_tools.resolve(definitions, choice, name, request.parallel_tool_calls, where="tools[{i}]")
 
 
 def text_format(text: dict[str, Any] | None) -> AnswerFormat:

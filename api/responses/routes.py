@@ -13,26 +13,26 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import FINISH_ABORT
 
-from api import tools as tool_calls
+from api import function_tools
 from api.bodies import ERRORS
 from api.chat import start_chat
 from api.errors import OpenAIError, to_openai_error
 from api.generation import Generation, until_disconnected
-from api.responses_bodies import DeletedResponse, ResponseObject, streamed_events
-from api.responses_input import (
+from api.responses.bodies import DeletedResponse, ResponseObject, streamed_events
+from api.responses.input import (
     ResponsesRequest, input_messages, output_messages, response_tools, text_format,
 )
-from api.responses_output import OutputBuilder, new_id, response_object, usage
-from api.responses_store import ResponseStore, StoredResponse
-from api.server import Server
+from api.responses.output import OutputBuilder, new_id, response_object, usage
+from api.responses.store import ResponseStore, StoredResponse
+from api.route_context import RouteContext
 from api.sse import HEADERS
 
 
-def add_routes(router: APIRouter, server: Server, store: ResponseStore) -> None:
+def add_routes(router: APIRouter, context: RouteContext, store: ResponseStore) -> None:
     @router.post("/v1/responses", response_model=ResponseObject, responses=streamed_events(),
                  summary="Create a response")
     async def create_response(body: ResponsesRequest, request: Request):
-        engine = server.engine(body.model)
+        engine = context.engine(body.model)
         params = body.to_sampling_params()
         history: list[dict] = []
         if body.previous_response_id is not None:
@@ -41,9 +41,9 @@ def add_routes(router: APIRouter, server: Server, store: ResponseStore) -> None:
         tools = response_tools(body)
         instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
         response_id = new_id("resp")
-        generation = await start_chat(server, engine, instructions + history + new_input, params, tools,
+        generation = await start_chat(context, engine, instructions + history + new_input, params, tools,
                                       text_format(body.text), response_id, request)
-        run = _Run(body, generation, history + new_input, server.model_name, store, tools.parses_calls)
+        run = _Run(body, generation, history + new_input, context.model_name, store, tools.parses_calls)
         if body.stream:
             return StreamingResponse(_framed(run.events()), media_type="text/event-stream", headers=HEADERS)
         await until_disconnected(request, generation.collect())
@@ -71,7 +71,7 @@ class _Run:
         self.response_id = generation.response_id
         self.created_at = int(time.time())
         self.model = model
-        self.reply = tool_calls.ReplySplitter()
+        self.reply = function_tools.ReplySplitter()
         self.parses_calls = parses_calls
         self.output = OutputBuilder()
         self.tools = [_tool_echo(t) for t in body.tools or []]

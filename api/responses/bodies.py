@@ -1,5 +1,5 @@
 """The Responses API's bodies as /openapi.json shows them: the response object, its output items, a stream's events.
-The route builds plain dicts (api/responses_output.py); these models describe them, and the fuzz tests hold the
+The route builds plain dicts (api/responses/output.py); these models describe them, and the fuzz tests hold the
 server's answers to them."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Server: what every route needs (engine handle, metrics, API key), the route class wrapping each route, and the
+"""RouteContext: what every route needs (engine handle, metrics, API key), the route class wrapping each route, and the
 middleware that gives every response an X-Request-ID."""
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class RequestIDMiddleware:
 OPEN_PATHS = frozenset({"/health", "/healthz", "/ready", "/readyz", "/metrics"})
 
 
-class Server:
+class RouteContext:
     def __init__(self, handle: EngineHandle, api_key: str | None = None) -> None:
         self.handle = handle
         self.api_key = api_key or None
@@ -83,17 +83,17 @@ class Server:
 
     def route_class(self) -> type[APIRoute]:
         """An APIRoute whose handler adds request ids, the API-key check, one error shape, metrics and a log line."""
-        server = self
+        context = self
 
         class ServedRoute(APIRoute):
             def get_route_handler(self):
-                return _served(super().get_route_handler(), self.path, server)
+                return _served(super().get_route_handler(), self.path, context)
 
         return ServedRoute
 
 
-def _served(handler, route_path: str, server: Server):
-    needs_key = server.needs_key(route_path)
+def _served(handler, route_path: str, context: RouteContext):
+    needs_key = context.needs_key(route_path)
     is_work = route_path not in OPEN_PATHS  # refused while the server drains; the probes keep answering
 
     async def handle(request: Request) -> Response:
@@ -103,8 +103,8 @@ def _served(handler, route_path: str, server: Server):
         started = time.perf_counter()
         try:
             if needs_key:
-                authorize(request, server.api_key)
-            if is_work and server.is_draining:
+                authorize(request, context.api_key)
+            if is_work and context.is_draining:
                 raise shutting_down()
             response = await handler(request)
         except Exception as exc:  # everything, bad input included, leaves in OpenAI's error shape
@@ -113,7 +113,7 @@ def _served(handler, route_path: str, server: Server):
                 logger.info("%s: %d %s (param %s)", request_id, error.status_code, error.message, error.param)
             response = error.response()
         response.headers["X-Request-ID"] = request_id
-        server.metrics.requests.labels(route_path, request.method, str(response.status_code)).inc()
+        context.metrics.requests.labels(route_path, request.method, str(response.status_code)).inc()
         elapsed_ms = (time.perf_counter() - started) * 1000
         logger.info('%s "%s %s" %d %.0f ms', request_id, request.method, request.url.path, response.status_code, elapsed_ms)
         return response

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from api import tools as tool_calls
+from api import function_tools
 
 # OpenAI's `incomplete_details.reason` when max_output_tokens cut the reply.
 MAX_OUTPUT_TOKENS = "max_output_tokens"
@@ -28,7 +28,7 @@ class OutputBuilder:
         self._open: dict | None = None  # the item still growing: a message, or a call waiting for its arguments
         self._calls: dict[str, dict] = {}  # call id -> its item
 
-    def add(self, content: str, calls: list[tuple[tool_calls.CallOut, tool_calls.CallDelta]]) -> list[dict]:
+    def add(self, content: str, calls: list[tuple[function_tools.CallOut, function_tools.CallDelta]]) -> list[dict]:
         events: list[dict] = []
         if content:
             if self._open is None or self._open["type"] != "message":
@@ -63,7 +63,7 @@ class OutputBuilder:
              "content_index": 0, "part": dict(part)},
         ]
 
-    def _open_call(self, call: tool_calls.CallOut) -> list[dict]:
+    def _open_call(self, call: function_tools.CallOut) -> list[dict]:
         item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id,
                 "name": call.name, "arguments": ""}
         self.items.append(item)
