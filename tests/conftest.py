@@ -298,3 +298,29 @@ def tiny_checkpoint(tmp_path_factory, default_checkpoint) -> Path:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # by path: bench/ on sys.path would shadow the `kernels` package transformers probes
     return module.make_random_checkpoint("tiny", default_checkpoint, tmp_path_factory.mktemp("tiny"), torch.float32)
+
+
+def tokenizer_fields(writer) -> int:
+    """The default model's tokenizer, copied from its GGUF: transformers rebuilds the tokenizer from these."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(default_gguf_path())
+
+    def strings(key):
+        field = reader.fields[key]
+        return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+
+    def scalar(key):
+        field = reader.fields[key]
+        return field.parts[field.data[0]][0].item()
+
+    writer.add_tokenizer_model(bytes(reader.fields["tokenizer.ggml.model"].parts[-1]).decode())
+    writer.add_tokenizer_pre(bytes(reader.fields["tokenizer.ggml.pre"].parts[-1]).decode())
+    writer.add_token_list(strings("tokenizer.ggml.tokens"))
+    token_types = reader.fields["tokenizer.ggml.token_type"]
+    writer.add_token_types([int(token_types.parts[i][0]) for i in token_types.data])
+    writer.add_token_merges(strings("tokenizer.ggml.merges"))
+    writer.add_bos_token_id(scalar("tokenizer.ggml.bos_token_id"))
+    writer.add_eos_token_id(scalar("tokenizer.ggml.eos_token_id"))
+    writer.add_chat_template(bytes(reader.fields["tokenizer.chat_template"].parts[-1]).decode())
+    return len(strings("tokenizer.ggml.tokens"))

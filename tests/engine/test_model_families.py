@@ -15,8 +15,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
-from test_gguf import tokenizer_fields
+from conftest import tiny_config, tokenizer_fields
 
 from engine import Engine, EngineConfig, SamplingParams
 

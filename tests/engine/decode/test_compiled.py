@@ -3,8 +3,10 @@ batched, with sequences joining mid-decode, and on the default model against tra
 while it compiles."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,6 +196,7 @@ def test_compile_where_unsupported_runs_eager_and_still_serves(tiny_engine_facto
 @pytest.mark.slow
 def test_compiled_default_model_matches_transformers(default_tokenizer, default_checkpoint):
     """The parity test of test_parity.py, on the compiled engine the server runs by default."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/engine, where test_parity.py is
     from test_parity import PROMPTS, _chat_ids, _hf_greedy
     from transformers import AutoModelForCausalLM
 

@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, quants
 
-from conftest import require_op
+from conftest import require_op, tokenizer_fields
 
 from engine import Engine, EngineConfig, ModelLoadError, SamplingParams
 from engine.weights import gguf_blocks
@@ -108,30 +108,6 @@ def test_q4_k_repacks_into_int4_within_the_rounding_of_its_scales_to_fp16():
     bound = (15 * 63 * d + 63 * dmin).repeat_interleave(256, dim=1) * 2.0**-11
     assert (ours - reference).abs().le(bound).all()
     assert not torch.equal(ours, reference)  # the rounding is real: say so rather than claim bits
-
-
-def tokenizer_fields(writer: GGUFWriter) -> None:
-    """The default model's tokenizer, copied from its GGUF: transformers rebuilds the tokenizer from these."""
-    reader = GGUFReader(default_gguf_path())
-
-    def strings(key):
-        field = reader.fields[key]
-        return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-
-    def scalar(key):
-        field = reader.fields[key]
-        return field.parts[field.data[0]][0].item()
-
-    writer.add_tokenizer_model(bytes(reader.fields["tokenizer.ggml.model"].parts[-1]).decode())
-    writer.add_tokenizer_pre(bytes(reader.fields["tokenizer.ggml.pre"].parts[-1]).decode())
-    writer.add_token_list(strings("tokenizer.ggml.tokens"))
-    token_types = reader.fields["tokenizer.ggml.token_type"]
-    writer.add_token_types([int(token_types.parts[i][0]) for i in token_types.data])
-    writer.add_token_merges(strings("tokenizer.ggml.merges"))
-    writer.add_bos_token_id(scalar("tokenizer.ggml.bos_token_id"))
-    writer.add_eos_token_id(scalar("tokenizer.ggml.eos_token_id"))
-    writer.add_chat_template(bytes(reader.fields["tokenizer.chat_template"].parts[-1]).decode())
-    return len(strings("tokenizer.ggml.tokens"))
 
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2
