@@ -11,10 +11,15 @@ FinishReason = Literal["stop", "length", "tool_calls", "abort"]
 CompletionFinishReason = Literal["stop", "length", "abort"]
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens whose KV the prefix cache held (not computed again).")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):

@@ -43,6 +43,7 @@ class Generation:
         self.prompts = prompts
         self.samples = [Sample(p * params.n + i, prompt_index=p) for p in range(len(prompts)) for i in range(params.n)]
         self.prompt_logprobs: list[list[TokenLogprob | None] | None] = [None] * len(prompts)
+        self._cached_tokens = [0] * len(prompts)  # per prompt, as its first sample found the prefix cache
         self._started_at = time.monotonic()
         self._last_token_at: dict[int, float] = {}
         self._streams = []
@@ -63,9 +64,15 @@ class Generation:
     def num_completion_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.samples)
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens)."""
+        return sum(self._cached_tokens)
+
     def usage(self) -> dict:
         prompt, completion = self.num_prompt_tokens, self.num_completion_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
 
     async def outputs(self) -> AsyncIterator[tuple[Sample, RequestOutput]]:
         """Each engine output once it is added to its sample. Leaving early (client gone) aborts what is left."""
@@ -74,6 +81,8 @@ class Generation:
             async for prompt_index, out in source:
                 if out.prompt_logprobs is not None:
                     self.prompt_logprobs[prompt_index] = out.prompt_logprobs
+                if out.index == 0:
+                    self._cached_tokens[prompt_index] = out.num_cached_tokens
                 sample = self.samples[prompt_index * self.params.n + out.index]
                 sample.add(out)
                 self._observe(sample, out)

@@ -131,10 +131,10 @@ def response_object(response_id: str, created_at: int, request, status: str, out
     }
 
 
-def usage(num_input_tokens: int, num_output_tokens: int) -> dict:
+def usage(num_input_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0) -> dict:
     return {
         "input_tokens": num_input_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": num_cached_tokens},
         "output_tokens": num_output_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": num_input_tokens + num_output_tokens,

@@ -78,7 +78,8 @@ class _Run:
 
     def response(self, status: str, error: dict | None = None) -> dict:
         sample = self.generation.samples[0]
-        counts = usage(self.generation.num_prompt_tokens, len(sample.token_ids)) if status != "in_progress" else None
+        counts = (usage(self.generation.num_prompt_tokens, len(sample.token_ids), self.generation.num_cached_tokens)
+                  if status != "in_progress" else None)
         return response_object(self.response_id, self.created_at, self.body, status, self.output.items, counts,
                                self.model, self.tools, error)
 

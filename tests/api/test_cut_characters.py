@@ -42,7 +42,7 @@ def test_chat_leaves_the_unfinished_character_out_streamed_or_not(tiny_api, cut,
     chunks = sse_chunks(client.post(CHAT, json={**body, "stream": True, "stream_options": {"include_usage": True}}))
 
     assert whole["usage"]["completion_tokens"] == 2 * num_tokens  # the cut token counts
-    assert chunks[-1]["usage"] == whole["usage"]
+    assert _counts(chunks[-1]["usage"]) == _counts(whole["usage"])
     for choice in whole["choices"]:
         assert choice["message"]["content"] == " "  # the space before the emoji is whole and stays
         assert choice["finish_reason"] == finish_reason
@@ -65,7 +65,7 @@ def test_completions_leave_the_unfinished_character_out_streamed_or_not(tiny_api
     chunks = sse_chunks(client.post(COMPLETIONS, json={**body, "stream": True, "stream_options": {"include_usage": True}}))
 
     assert whole["usage"]["completion_tokens"] == 4 * num_tokens
-    assert chunks[-1]["usage"] == whole["usage"]
+    assert _counts(chunks[-1]["usage"]) == _counts(whole["usage"])
     assert len(whole["choices"]) == 4
     for choice in whole["choices"]:
         prompt = body["prompt"][choice["index"] // 2]
@@ -77,3 +77,8 @@ def test_completions_leave_the_unfinished_character_out_streamed_or_not(tiny_api
         assert "".join(p["text"] for p in parts) == " "
         assert [p["finish_reason"] for p in parts if p["finish_reason"]] == [finish_reason]
         assert [t for p in parts for t in p["logprobs"]["tokens"]] == logprobs["tokens"]
+
+
+def _counts(usage: dict) -> tuple[int, int, int]:
+    """The token counts; cached_tokens differs between two requests of one prompt (the second finds it cached)."""
+    return usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]

@@ -87,7 +87,8 @@ def test_include_usage_adds_one_last_chunk_and_nulls_elsewhere(http):
     assert all(c["usage"] is None and len(c["choices"]) == 1 for c in chunks)
     assert all(c["object"] == "text_completion" for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks) == " Paris.\n"
-    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                                                       "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_a_refused_stream_is_a_plain_4xx_not_an_event_stream(http):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from typing import Literal, Optional
 
 import httpx
@@ -82,7 +83,21 @@ def test_streamed_chat_has_openais_sequence_and_the_same_text(client, model):
     assert last_choice.choices[0].finish_reason == "stop" and last_choice.choices[0].delta.content is None
     assert all(c.choices[0].finish_reason is None for c in [first, *middle])
     assert all(c.usage is None for c in chunks[:-1])
-    assert usage_chunk.choices == [] and usage_chunk.usage == expected.usage
+    assert usage_chunk.choices == []
+    counts = [(u.prompt_tokens, u.completion_tokens, u.total_tokens) for u in (usage_chunk.usage, expected.usage)]
+    assert counts[0] == counts[1]  # cached_tokens may differ: the stream may find the prompt's blocks cached
+
+
+def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(client, model):
+    """The second request sharing a long system prompt reports the shared blocks as cached_tokens, as OpenAI does
+    (whole 16-token blocks of the prefix cache); a prompt nobody sent before reports none."""
+    system = " ".join(f"rule {i}: answer in {i % 7 + 1} words about {uuid.uuid4().hex[:8]}." for i in range(12))
+    first, second = (client.chat.completions.create(
+        model=model, max_tokens=2, messages=[{"role": "system", "content": system}, {"role": "user", "content": q}])
+        for q in ("Name a bird.", "Name a fish."))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached % 16 == 0 and 64 <= cached < second.usage.prompt_tokens
 
 
 def test_without_include_usage_no_chunk_carries_usage(client, model):
