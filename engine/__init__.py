@@ -1,4 +1,5 @@
-"""Tern's decode engine: paged KV cache, continuous batching, sampling, stops and logprobs. No web code here."""
+"""Tern's decode engine: paged KV cache, continuous batching, sampling, stops, logprobs and embeddings. No web code
+here."""
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.handle import EngineHandle
@@ -14,7 +15,7 @@ from engine.errors import (
     QueueFullError,
     StepFailedError,
 )
-from engine.outputs import FINISH_ABORT, Choice, Completion, ContinuationScore, RequestOutput
+from engine.outputs import FINISH_ABORT, Choice, Completion, ContinuationScore, Embedding, RequestOutput
 from engine.params import SamplingParams
 from engine.request import TokenLogprob
 
@@ -25,6 +26,7 @@ __all__ = [
     "ContextLengthExceededError",
     "ContinuationScore",
     "DrainingError",
+    "Embedding",
     "Engine",
     "EngineConfig",
     "EngineError",

@@ -10,15 +10,17 @@ import threading
 import time
 import uuid
 
-from engine import scoring
+from engine import pooling, scoring
 from engine.admission import SequenceFactory, validate_request
 from engine.config import EngineConfig, batched_tokens_for
+from engine.errors import InvalidRequestError
 from engine.decode.decode_path import build_runner
 from engine.inbox import Inbox
 from engine.info import EngineInfo, EngineStats
 from engine.kv_cache import BlockAllocator, KVCache
 from engine.kv_plan import plan_kv_cache
-from engine.outputs import Completion, ContinuationScore
+from engine.outputs import Completion, ContinuationScore, Embedding
+from engine.params import SamplingParams
 from engine.postprocess import Postprocessor
 from engine.request import Request
 from engine.scheduler import Scheduler
@@ -28,6 +30,8 @@ from engine.text.tokens import TokenizerView
 from engine.weights.loader import LoadedModel, load_leaving_a_core
 
 logger = logging.getLogger(__name__)
+
+_PROMPT_ONLY = SamplingParams(max_tokens=0)  # an embedding request: its prompt is prefilled, nothing is sampled
 
 
 class Engine:
@@ -66,6 +70,8 @@ class Engine:
         generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.tokenizer = TokenizerView(self.loaded.tokenizer, generation_eos or hf_config.eos_token_id)
         self.vocab_size = hf_config.vocab_size
+        self.hidden_size = hf_config.hidden_size  # the length of every embedding
+        self.pooling = pooling.pooling_rule_for(self.loaded.folder)  # how embeddings are pooled (engine/pooling.py)
         # Structured output: response formats -> grammars, compiled on the callers' threads (never this one).
         self.grammars = GrammarCompiler(self.loaded.tokenizer, self.vocab_size, self.tokenizer.eos_ids)
         plan = plan_kv_cache(self.config, self.loaded)
@@ -161,10 +167,17 @@ class Engine:
         requests that cannot be served, before anything is queued."""
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         validate_request(prompt_ids, params, self.vocab_size, self.max_model_len)
-        request = Request(request_id or uuid.uuid4().hex, prompt_ids, params)
-        stream = RequestStream(request.request_id, self.abort)
-        self._inbox.put(request, stream, len(self.scheduler.waiting))
-        return stream
+        return self._queue(Request(request_id or uuid.uuid4().hex, prompt_ids, params))
+
+    def submit_embedding(self, prompt: str | list[int], request_id: str | None = None) -> RequestStream:
+        """Queue an embedding request: its prompt is prefilled like any other (the same admission, queue limit,
+        chunking and abort) and nothing is sampled; its one output carries the vector. Raises as submit() does."""
+        if self.pooling.problem is not None:
+            raise InvalidRequestError(self.pooling.problem, "model")
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        validate_request(prompt_ids, _PROMPT_ONLY, self.vocab_size, self.max_model_len)
+        embedding = pooling.PooledEmbedding(self.pooling, len(prompt_ids))
+        return self._queue(Request(request_id or uuid.uuid4().hex, prompt_ids, _PROMPT_ONLY, embedding=embedding))
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks at the next step; its stream ends."""
@@ -181,6 +194,11 @@ class Engine:
     async def score(self, context: str | list[int], continuations: list[str | list[int]]) -> list[ContinuationScore]:
         """Log-likelihood of each continuation after the context, all scored in one batch (engine/scoring.py)."""
         return await scoring.score(self.complete, self.tokenizer, context, continuations)
+
+    async def embed(self, prompts: list[str | list[int]]) -> list[Embedding]:
+        """One L2-normalised vector per prompt (text or token ids), all batched at once; pooled as self.pooling says
+        (engine/pooling.py). All or none: one refused input refuses them all. Cancelling aborts them."""
+        return await pooling.embed(self.submit_embedding, prompts)
 
     def fail_next_step(self, exc: Exception) -> None:
         """For tests: the next step that runs the model raises `exc` in its place, as a kernel or model bug would.
@@ -237,6 +255,11 @@ class Engine:
             for seq in batch.seqs:
                 if not seq.is_finished:
                     self._postprocessor.fail(seq.request.request_id, exc)
+
+    def _queue(self, request: Request) -> RequestStream:
+        stream = RequestStream(request.request_id, self.abort)
+        self._inbox.put(request, stream, len(self.scheduler.waiting))
+        return stream
 
     def _has_work(self) -> bool:
         return self.runner.has_reserved_blocks_to_free or self.scheduler.has_work

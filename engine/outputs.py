@@ -25,6 +25,7 @@ class RequestOutput:
     num_output_tokens: int  # so far, for this sample
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first delta, when asked for
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage's cached_tokens)
+    embedding: list[float] | None = None  # an embedding request's vector, on its last output (engine/pooling.py)
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Completion:
     # Of the prompt, served from the prefix cache: as the first sample found it (the others of n > 1 reuse the blocks
     # it computed, which is no cache hit for the client).
     num_cached_tokens: int = 0
+    embedding: list[float] | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -71,9 +73,19 @@ class Completion:
         self.choices[out.index].add(out)
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        if out.embedding is not None:
+            self.embedding = out.embedding
         self.num_prompt_tokens = out.num_prompt_tokens
         if out.index == 0:
             self.num_cached_tokens = out.num_cached_tokens
+
+
+@dataclass
+class Embedding:
+    """One input's vector: L2-normalised, as long as the model's hidden size (pooled as engine/pooling.py says)."""
+
+    vector: list[float]
+    num_prompt_tokens: int
 
 
 @dataclass

@@ -39,13 +39,16 @@ class Postprocessor:
         for i, chunk_logits in logits.prompt_logits.items():
             seq = batch.seqs[i]
             seq.request.prompt_logprobs.add_chunk(seq.num_computed_tokens, chunk_logits)
+        for i, hidden in logits.hidden_states.items():
+            seq = batch.seqs[i]
+            seq.request.embedding.add_chunk(seq.num_computed_tokens, hidden)
         self._scheduler.mark_computed(batch)
         sampling = [seq for seq, s in zip(batch.seqs, batch.samples) if s]
         results = sample(logits.sample_logits, sampling, self._eos_ids) if sampling else []
         for seq, (token_id, logprob) in zip(sampling, results):
             self._append(seq, token_id, logprob)
         for seq, s in zip(batch.seqs, batch.samples):
-            # A prompt-only request (max_tokens 0: scoring, echo) ends once its prefill is done.
+            # A prompt-only request (max_tokens 0: scoring, echo, embeddings) ends once its prefill is done.
             if not s and seq.max_tokens == 0 and seq.num_computed_tokens >= seq.num_tokens:
                 self._emit(seq, [], "", None, "length")
         self._recent_tokens.append((time.monotonic(), len(results)))
@@ -140,8 +143,10 @@ class Postprocessor:
             return
         stream = entry[1]
         prompt_logprobs = None if request.prompt_logprobs is None else request.prompt_logprobs.take_for_emit()
+        embedding = None if request.embedding is None else request.embedding.take_for_emit()
         out = RequestOutput(request.request_id, seq.index, token_ids, text, logprobs, finish_reason, stop_reason,
-                            seq.num_prompt_tokens, seq.num_output_tokens, prompt_logprobs, seq.num_cached_tokens)
+                            seq.num_prompt_tokens, seq.num_output_tokens, prompt_logprobs, seq.num_cached_tokens,
+                            embedding)
         delivered = stream.put(out)
         if finish_reason is not None:
             seq.finish_reason, seq.stop_reason = finish_reason, stop_reason

@@ -4,10 +4,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.pooling import PooledEmbedding
 
 
 class SequenceStatus(enum.Enum):
@@ -81,6 +85,7 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = field(default=None, init=False)  # None: not asked for
     num_finished: int = 0
+    embedding: PooledEmbedding | None = None  # an embedding request (prompt only): its vector, as it is pooled
 
     def __post_init__(self) -> None:
         num_top = self.params.prompt_logprobs
@@ -140,3 +145,16 @@ class Sequence:
         # One sample per request computes them, once; a recomputation after preemption does not.
         prompt_logprobs = self.request.prompt_logprobs
         return prompt_logprobs is not None and self.index == 0 and not prompt_logprobs.is_complete
+
+    @property
+    def needs_every_prompt_position(self) -> bool:
+        """Whether every prompt position must be computed here (prompt logprobs, mean pooling): a cached prefix,
+        whose logits and hidden states were never kept, cannot serve it."""
+        embedding = self.request.embedding
+        return self.wants_prompt_logprobs or embedding is not None and embedding.needs_every_position
+
+    def wants_hidden_states(self, num_new_tokens: int) -> bool:
+        """Whether the final hidden states of its next num_new_tokens positions are pooled into an embedding."""
+        embedding = self.request.embedding
+        return (embedding is not None and self.index == 0
+                and embedding.wants_hidden_states(self.num_computed_tokens, num_new_tokens))

@@ -19,12 +19,14 @@ from engine.request import Sequence, SequenceStatus
 @dataclass
 class ScheduledBatch:
     """One step's work: which sequences run, how many new tokens each computes, and what each row yields, decided
-    in add() for every runner: a sampled token, and the logits of every new position (prompt logprobs)."""
+    in add() for every runner: a sampled token, the logits of every new position (prompt logprobs), and the final
+    hidden states of the new positions (embeddings)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)  # its new tokens reach its end, and it may still grow
     wants_prompt_logits: list[bool] = field(default_factory=list)  # echo, scoring: logits at every new position
+    wants_hidden_states: list[bool] = field(default_factory=list)  # embeddings: final hidden states of new positions
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.seqs.append(seq)
@@ -34,6 +36,7 @@ class ScheduledBatch:
         is_last_chunk = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
         self.samples.append(is_last_chunk and seq.has_token_budget)
         self.wants_prompt_logits.append(seq.wants_prompt_logprobs)
+        self.wants_hidden_states.append(seq.wants_hidden_states(num_new_tokens))
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -150,8 +153,10 @@ class Scheduler:
 
     def _reuse_cached_prefix(self, seq: Sequence) -> bool:
         """Point a fresh sequence at cached blocks holding its leading tokens, so they are not computed again.
-        At least one token is left to compute: the step needs it to produce the next token's logits."""
-        if not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table or seq.wants_prompt_logprobs:
+        At least one token is left to compute: the step needs it to produce the next token's logits (or an embedding's
+        last hidden state)."""
+        if (not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table
+                or seq.needs_every_prompt_position):
             return False
         for content_hash in prefix_block_hashes(seq.token_ids, self.block_size):
             block = self.allocator.take_cached(content_hash)

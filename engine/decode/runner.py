@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 class StepLogits:
     sample_logits: torch.Tensor  # [number of sampling sequences, V] float32, in batch order
     prompt_logits: dict[int, torch.Tensor]  # batch index -> [chunk length, V]: logits at every new position
+    # batch index -> [chunk length, H]: final hidden states (after the final norm) of every new position (embeddings)
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class Runner(Protocol):
@@ -89,11 +91,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepLogits:
         """One step, on the path this function alone picks. Prefill and mixed steps run the eager model. A decode
-        step replays a CUDA graph where one covers it and no prompt logits are wanted, else runs the native step,
-        else the compiled step once built, else the eager model; its attention on CPU is the path's kernel
-        (see _group)."""
+        step replays a CUDA graph where one covers it and no prompt logits nor hidden states are wanted (a graph
+        keeps only the logits), else runs the native step, else the compiled step once built, else the eager model;
+        its attention on CPU is the path's kernel (see _group)."""
         is_decode = batch.is_decode
-        if is_decode and self.graphs is not None and not any(batch.wants_prompt_logits):
+        wants_more_than_tokens = any(batch.wants_prompt_logits) or any(batch.wants_hidden_states)
+        if is_decode and self.graphs is not None and not wants_more_than_tokens:
             positions = [seq.num_computed_tokens for seq in batch.seqs]
             if self.graphs.covers(len(positions), max(positions) + 1):
                 token_ids = [seq.token_ids[p] for seq, p in zip(batch.seqs, positions)]
@@ -258,7 +261,8 @@ def _marked_dynamic(compiled_forward):
 
 def _select_logits(model, hidden, batch: ScheduledBatch) -> StepLogits:
     """Only the positions someone reads get logits: each sampler's last token, and every new position of a
-    sequence whose prompt logprobs were asked for (echo, scoring)."""
+    sequence whose prompt logprobs were asked for (echo, scoring). Every step path's forward (eager, compiled,
+    native) returns the final-normed hidden states, so an embedding's rows are read here alike on each."""
     ends = torch.tensor(batch.num_new_tokens).cumsum(0).tolist()
     last_rows = [end - 1 for end, s in zip(ends, batch.samples) if s]
     sample_logits = model.compute_logits(hidden[last_rows]) if last_rows else hidden.new_empty(0, 0)
@@ -267,4 +271,6 @@ def _select_logits(model, hidden, batch: ScheduledBatch) -> StepLogits:
         if wanted:
             start = ends[i] - batch.num_new_tokens[i]
             prompt_logits[i] = model.compute_logits(hidden[start : ends[i]])
-    return StepLogits(sample_logits, prompt_logits)
+    hidden_states = {i: hidden[ends[i] - batch.num_new_tokens[i] : ends[i]]
+                     for i, wanted in enumerate(batch.wants_hidden_states) if wanted}
+    return StepLogits(sample_logits, prompt_logits, hidden_states)
