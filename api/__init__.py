@@ -1,4 +1,5 @@
-"""OpenAI-compatible API: /v1 (chat, completions, models, loglikelihood), tokenizer routes, health and metrics."""
+"""OpenAI-compatible API: /v1 (chat, completions, embeddings, models, loglikelihood), tokenizer routes, health and
+metrics."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
@@ -6,7 +7,7 @@ from fastapi.routing import APIRoute
 
 from engine import EngineHandle
 
-from api import chat, completions, models, responses, scoring, tokenize
+from api import chat, completions, embeddings, models, responses, scoring, tokenize
 from api.auth import bearer_scheme
 from api.cors import APICORSMiddleware
 from api.errors import OpenAIError, install_error_handlers
@@ -30,6 +31,7 @@ def build_router(handle: EngineHandle, api_key: str | None = None,
     v1 = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)] if context.api_key else None)
     chat.add_routes(v1, context)
     completions.add_routes(v1, context)
+    embeddings.add_routes(v1, context)
     responses.add_routes(v1, context, ResponseStore(max_stored_responses))
     scoring.add_routes(v1, context)
     models.add_routes(v1, context)
