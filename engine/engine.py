@@ -70,7 +70,7 @@ class Engine:
         generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.tokenizer = TokenizerView(self.loaded.tokenizer, generation_eos or hf_config.eos_token_id)
         self.vocab_size = hf_config.vocab_size
-        self.hidden_size = hf_config.hidden_size  # the length of every embedding
+        self.hidden_size = hf_config.get_text_config().hidden_size  # the length of every embedding
         self.pooling = pooling.pooling_rule_for(self.loaded.folder)  # how embeddings are pooled (engine/pooling.py)
         # Structured output: response formats -> grammars, compiled on the callers' threads (never this one).
         self.grammars = GrammarCompiler(self.loaded.tokenizer, self.vocab_size, self.tokenizer.eos_ids)

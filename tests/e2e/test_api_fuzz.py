@@ -84,7 +84,7 @@ def test_schemathesis_finds_no_server_error_and_no_response_outside_the_schema(f
     operations = [(method.upper(), path) for path, item in http.get("/openapi.json").json()["paths"].items()
                   for method in item]
     for route in ("/tokenize", "/detokenize", "/tokenizer_info", "/health", "/ready", "/metrics", CHAT, COMPLETIONS,
-                  "/v1/models", "/v1/models/{model_id}", "/v1/loglikelihood"):
+                  "/v1/models", "/v1/models/{model_id}", "/v1/loglikelihood", "/v1/embeddings"):
         assert route in {path for _, path in operations}, route
     log_start = log_path.stat().st_size
 

@@ -63,6 +63,7 @@ def test_every_route_that_runs_the_model_wants_the_key(keyed_server):
         for method, path, body in [("POST", "/v1/chat/completions", chat), ("GET", "/v1/models", None),
                                    ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 2}),
                                    ("GET", "/v1/responses/resp_1", None), ("DELETE", "/v1/responses/resp_1", None),
+                                   ("POST", "/v1/embeddings", {"input": "hi"}),
                                    ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1]}),
                                    ("GET", "/tokenizer_info", None)]:
             response = httpx.request(method, f"{base_url}{path}", json=body, headers=headers, timeout=60)
