@@ -117,8 +117,10 @@ async def embed(submit: Callable[[str | list[int]], RequestStream], prompts: lis
     finally:
         for stream in streams:
             stream.close()  # no-op for those that ended
-    if any(c.embedding is None or c.choices and c.choices[0].finish_reason == FINISH_ABORT for c in completions):
+    if any(not c.choices or c.choices[0].finish_reason == FINISH_ABORT for c in completions):
         raise DrainingError("the engine shut down before the embeddings were computed")
+    if any(c.embedding is None for c in completions):  # a runner that returned no hidden states for a row asking
+        raise RuntimeError("an embedding request ended without its vector")
     return [Embedding(c.embedding, c.num_prompt_tokens) for c in completions]
 
 

@@ -45,9 +45,10 @@ class RecomputeRunner:
             input_ids[i, :end] = torch.tensor(seq.token_ids[:end])
             attention_mask[i, :end] = 1
         # Right padding keeps every real token at its natural position, so no position_ids are needed.
-        logits = self.model(
-            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), use_cache=False
-        ).logits.float()
+        wants_hidden = any(batch.wants_hidden_states)
+        output = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                            use_cache=False, output_hidden_states=wants_hidden)
+        logits = output.logits.float()
         sample_rows = [logits[i, end - 1] for i, (end, s) in enumerate(zip(ends, batch.samples)) if s]
         sample_logits = torch.stack(sample_rows) if sample_rows else logits.new_empty(0, 0)
         prompt_logits = {
@@ -55,4 +56,10 @@ class RecomputeRunner:
             for i, (end, wanted) in enumerate(zip(ends, batch.wants_prompt_logits))
             if wanted
         }
-        return StepLogits(sample_logits, prompt_logits)
+        # transformers' last hidden state is the final norm's output, as the native models' forward returns.
+        hidden_states = {
+            i: output.hidden_states[-1][i, end - batch.num_new_tokens[i] : end]
+            for i, (end, wanted) in enumerate(zip(ends, batch.wants_hidden_states))
+            if wanted
+        }
+        return StepLogits(sample_logits, prompt_logits, hidden_states)
