@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import base64
 import logging
+import struct
 from typing import Literal
 
-import numpy as np
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -121,5 +121,6 @@ def _prompt_ids(engine: Engine, inputs: list[str | list[int]]) -> list[list[int]
 
 def _encoded(embedding: Embedding, encoding_format: str | None) -> list[float] | str:
     if encoding_format == "base64":
-        return base64.b64encode(np.asarray(embedding.vector, dtype="<f4").tobytes()).decode("ascii")
+        little_endian_float32 = struct.pack(f"<{len(embedding.vector)}f", *embedding.vector)
+        return base64.b64encode(little_endian_float32).decode("ascii")
     return embedding.vector

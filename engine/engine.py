@@ -13,8 +13,8 @@ import uuid
 from engine import pooling, scoring
 from engine.admission import SequenceFactory, validate_request
 from engine.config import EngineConfig, batched_tokens_for
-from engine.errors import InvalidRequestError
 from engine.decode.decode_path import build_runner
+from engine.errors import InvalidRequestError
 from engine.inbox import Inbox
 from engine.info import EngineInfo, EngineStats
 from engine.kv_cache import BlockAllocator, KVCache
