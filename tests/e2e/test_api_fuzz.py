@@ -154,7 +154,7 @@ def test_a_known_path_asked_with_another_method_is_a_405_naming_the_ones_it_serv
         assert f"{method} {path}" in error["message"]
     head = http.head("/health")
     assert head.status_code == 200 and head.content == b""
-    assert error_of(http.request("TRACE", "/v1/embeddings"), 404)["code"] == "unknown_url"
+    assert error_of(http.request("TRACE", "/v1/audio/speech"), 404)["code"] == "unknown_url"
 
 
 @pytest.mark.parametrize(

@@ -155,7 +155,7 @@ BAD_INPUTS = [
     ("an empty continuation", "/v1/loglikelihood", {"prompts": ["a"], "continuations": [""]}, 400, "continuations", ANY),
     ("tokenize without text", "/tokenize", {}, 400, "prompt", ANY),
     ("detokenize ids outside the vocabulary", "/detokenize", {"tokens": [10**6]}, 400, "tokens", "invalid_value"),
-    ("an unknown /v1 route", "/v1/embeddings", {"input": "x"}, 404, None, "unknown_url"),
+    ("an unknown /v1 route", "/v1/audio/speech", {"input": "x"}, 404, None, "unknown_url"),
 ]
 
 

@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from engine import ContextLengthExceededError, Engine, EngineConfig, InvalidRequestError, QueueFullError, SamplingParams
+from engine import (ContextLengthExceededError, DrainingError, Engine, EngineConfig, InvalidRequestError, QueueFullError,
+                    SamplingParams)
 from conftest import build_tiny, tiny_config, tiny_quantized_engine
 
 HIDDEN_SIZE = 64  # tiny_config's
@@ -168,6 +169,26 @@ def test_cancelling_an_embedding_aborts_it(tiny_engine_factory):
     _wait_until(lambda: engine.stats().num_waiting == 0)
     engine.abort(stream.request_id)
     list(stream)
+    _wait_until(lambda: not engine.has_requests and engine.stats().num_kv_blocks_used == 0)
+
+
+def test_a_draining_engine_refuses_new_embeddings_and_ends_waiting_ones_as_shut_down(tiny_engine_factory):
+    engine, _ = tiny_engine_factory(max_num_seqs=1)
+    stream = engine.submit([5, 6, 7], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    _wait_until(lambda: engine.stats().num_running == 1)
+
+    async def main():
+        task = asyncio.create_task(engine.embed([_prompt(40, seed=13)]))
+        await asyncio.to_thread(_wait_until, lambda: engine.stats().num_waiting == 1)
+        engine.drain()
+        with pytest.raises(DrainingError):
+            await engine.embed([[5, 6]])
+        engine.abort_all()  # the shutdown's grace period is over
+        with pytest.raises(DrainingError):
+            await task
+
+    asyncio.run(main())
+    assert list(stream)[-1].finish_reason == "abort"
     _wait_until(lambda: not engine.has_requests and engine.stats().num_kv_blocks_used == 0)
 
 
