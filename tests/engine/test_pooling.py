@@ -91,22 +91,39 @@ def test_the_generic_transformers_path_pools_its_final_hidden_state(tiny_engine_
         _assert_close(vector, _reference(hf_model, prompt))
 
 
-def test_a_sentence_transformers_checkpoint_asking_for_mean_pooling_gets_it(default_tokenizer, tmp_path):
-    (tmp_path / "1_Pooling").mkdir()
-    (tmp_path / "modules.json").write_text(json.dumps([
+def _sentence_transformers_engine(tokenizer, folder, **pooling_modes):
+    """A tiny engine loaded from a folder that holds a sentence-transformers Pooling config asking for pooling_modes."""
+    (folder / "1_Pooling").mkdir()
+    (folder / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
-    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": HIDDEN_SIZE, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True}))
-    hf_model, loaded = build_tiny(tiny_config(), default_tokenizer)
-    loaded.folder = tmp_path
-    engine = Engine(EngineConfig(dtype="float32", max_num_batched_tokens=32), loaded=loaded).start()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": HIDDEN_SIZE, "pooling_mode_cls_token": False, **pooling_modes}))
+    hf_model, loaded = build_tiny(tiny_config(), tokenizer)
+    loaded.folder = folder
+    return Engine(EngineConfig(dtype="float32", max_num_batched_tokens=32), loaded=loaded).start(), hf_model
+
+
+def test_a_sentence_transformers_checkpoint_asking_for_mean_pooling_gets_it(default_tokenizer, tmp_path):
+    engine, hf_model = _sentence_transformers_engine(default_tokenizer, tmp_path, pooling_mode_mean_tokens=True)
     try:
         assert engine.pooling.method == "mean"
         prompt = _prompt(70, seed=9)  # chunked, and its second request finds its blocks cached but may not use them
         first, second = _embed(engine, [prompt]), _embed(engine, [prompt])
         for [vector] in (first, second):
             _assert_close(vector, _reference(hf_model, prompt, "mean"))
+    finally:
+        engine.stop()
+
+
+def test_a_pooling_mode_tern_does_not_serve_refuses_embeddings_and_nothing_else(default_tokenizer, tmp_path):
+    engine, _ = _sentence_transformers_engine(default_tokenizer, tmp_path, pooling_mode_max_tokens=True)
+    try:
+        with pytest.raises(InvalidRequestError) as info:
+            asyncio.run(engine.embed(["a text"]))
+        assert info.value.param == "model" and "pooling_mode_max_tokens" in info.value.message
+        [completion] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+        assert len(completion.choices[0].token_ids) == 2
     finally:
         engine.stop()
 
