@@ -142,3 +142,33 @@ def test_where_the_native_step_cannot_serve_the_engine_says_why_and_decodes_in_p
             assert len(completion.choices[0].token_ids) == PARAMS.max_tokens
         finally:
             engine.stop()
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_a_prompt_tokens_logprob_is_the_one_it_gets_when_generated(default_tokenizer, path_kernels, mode):
+    """Echo and scoring read prompt logprobs; a client compares them with the logprobs of generated text (lm-eval
+    scores a continuation either way). The native step prefills a prompt as decode rows, so a token's logprob is the
+    same number whether the token was generated or sent back in a prompt, whether the prompt came in chunks or whole,
+    alone or beside other requests. (Before, with prompts prefilled by the eager model, the int8 activations of
+    these kernels magnified prefill's other float order into differences of up to ~0.2 nats.)"""
+    require_op(path_kernels.decode_attention, "decode attention")
+    from conftest import tiny_quantized_engine
+    from engine import SamplingParams
+
+    prompt = torch.randint(3, 2000, (45,), generator=torch.Generator().manual_seed(5)).tolist()
+    echoes = {}
+    for chunk in (None, 16):
+        engine, _ = tiny_quantized_engine("llama", mode, default_tokenizer, path=path_kernels,
+                                          max_num_batched_tokens=chunk)
+        try:
+            assert engine.info().decode_step == "native"
+            generated = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                                 logprobs=0))[0].choices[0]
+            sent_back = prompt + generated.token_ids
+            beside = torch.randint(3, 2000, (30,), generator=torch.Generator().manual_seed(6)).tolist()
+            echo = engine.generate([sent_back, beside], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        finally:
+            engine.stop()
+        echoes[chunk] = [entry.logprob for entry in echo.prompt_logprobs[len(prompt):]]
+        assert echoes[chunk] == [entry.logprob for entry in generated.logprobs]
+    assert echoes[None] == echoes[16]
