@@ -89,10 +89,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepLogits:
         """One step, on the paths this function alone picks. A decode step replays a CUDA graph where one covers it
-        and no prompt logits are wanted. Otherwise every row that computes one token (decoding sequences, and the
-        prompt tokens whose logits are read where `_scores_prompts_as_decode_rows`) runs on the decode step: the
-        native step, else the compiled step once built, else the eager model; its attention on CPU is the path's
-        kernel (see _group). Prompt chunks run the eager model, in a forward of their own."""
+        and no prompt logits are wanted. Otherwise every row that computes one token (decoding sequences, and every
+        prompt token where `_prefills_as_decode_rows`) runs on the decode step: the native step, else the compiled
+        step once built, else the eager model; its attention on CPU is the path's kernel (see _group). Prompt chunks
+        otherwise run the eager model, in a forward of their own."""
         if batch.is_decode and self.graphs is not None and not any(batch.wants_prompt_logits):
             positions = [seq.num_computed_tokens for seq in batch.seqs]
             if self.graphs.covers(len(positions), max(positions) + 1):
@@ -120,14 +120,14 @@ class ModelRunner:
 
     @property
     def _prefills_as_decode_rows(self) -> bool:
-        """Whether prompt tokens whose logits are read (echo, scoring) run as decode rows, so a prompt token's
-        logprob is the one it gets when generated, to the bit. The int8 activations of the 4-bit and int8 kernels
-        magnify the float-order difference between prefill's attention and decode's (~1e-6) into ~0.1-0.2 nats in
-        a logprob. Only where decode's attention reads the cache in place (a row costs its own context, no copy)
-        and the decode step is not compiled (whose batch sizes the warm-up bounds)."""
-        if self.native_step is not None:
-            return True
-        return self.compiled is None and self.path.attention_kernel is not None and self.device.type == "cpu"
+        """Whether prompts prefill as decode rows (each position a row attending to the context before it, on the
+        native step), so a prompt token's logprob is the one it gets when generated, to the bit, and a sequence's
+        tokens do not depend on how its prompt was chunked or what ran beside it. The int8 activations of the
+        4-bit and int8 kernels magnify the float-order difference between prefill's attention and decode's (~1e-6)
+        into ~0.1-0.2 nats in a logprob. The native step's matmuls give each row the same bits whatever the batch,
+        and its attention kernel reads a prompt's rows in tiles (decode_attention.h), so this costs prefill little.
+        aten's matmuls (the eager and compiled steps) are not row-invariant, so elsewhere prompts prefill whole."""
+        return self.native_step is not None
 
     def _decode_forward(self, input_ids, positions, meta):
         """The forward that serves decode rows now, counted by name in decode_steps."""
