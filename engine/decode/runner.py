@@ -90,13 +90,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepLogits:
-        """One step, on the path this function alone picks. Prefill and mixed steps run the eager model. A decode
-        step replays a CUDA graph where one covers it and no prompt logits nor hidden states are wanted (a graph
-        keeps only the logits), else runs the native step, else the compiled step once built, else the eager model;
-        its attention on CPU is the path's kernel (see _group)."""
-        is_decode = batch.is_decode
+        """One step, on the paths this function alone picks. A decode step replays a CUDA graph where one covers it
+        and no prompt logits nor hidden states are wanted (a graph keeps only the logits). Otherwise every row that
+        computes one token (decoding sequences, and every prompt token where `_prefills_as_decode_rows`) runs on the
+        decode step: the native step, else the compiled step once built, else the eager model; its attention on CPU
+        is the path's kernel (see _group). Prompt chunks otherwise run the eager model, in a forward of their own.
+        Every forward returns the final-normed hidden states, so an embedding's rows are read alike on each."""
         wants_more_than_tokens = any(batch.wants_prompt_logits) or any(batch.wants_hidden_states)
-        if is_decode and self.graphs is not None and not wants_more_than_tokens:
+        if batch.is_decode and self.graphs is not None and not wants_more_than_tokens:
             positions = [seq.num_computed_tokens for seq in batch.seqs]
             if self.graphs.covers(len(positions), max(positions) + 1):
                 token_ids = [seq.token_ids[p] for seq, p in zip(batch.seqs, positions)]
@@ -105,19 +106,45 @@ class ModelRunner:
                 if not all(batch.samples):
                     logits = logits[[i for i, s in enumerate(batch.samples) if s]]
                 return StepLogits(logits, {})
-        input_ids, positions, meta = self._prepare(batch)
-        forward = self.model.forward
+        as_rows = [n == 1 or self._prefills_as_decode_rows for n in batch.num_new_tokens]
+        hidden_of: list[torch.Tensor | None] = [None] * len(batch)
+        for rowwise in (True, False):
+            members = [i for i, r in enumerate(as_rows) if r == rowwise]
+            if not members:
+                continue
+            spans = [(batch.seqs[i], batch.seqs[i].num_computed_tokens, batch.num_new_tokens[i]) for i in members]
+            if rowwise:  # each token its own row, attending to the context before it: what decoding it computes
+                spans = [(seq, start + j, 1) for seq, start, n in spans for j in range(n)]
+            input_ids, positions, meta = self._prepare(spans)
+            forward = self._decode_forward(input_ids, positions, meta) if rowwise else self.model.forward
+            hidden = forward(input_ids, positions, self.kv_layers, meta)
+            for i, part in zip(members, hidden.split([batch.num_new_tokens[i] for i in members])):
+                hidden_of[i] = part
+        return _select_logits(self.model, hidden_of, batch)
+
+    @property
+    def _prefills_as_decode_rows(self) -> bool:
+        """Whether prompts prefill as decode rows (each position a row attending to the context before it, on the
+        native step), so a prompt token's logprob is the one it gets when generated, to the bit, and a sequence's
+        tokens do not depend on how its prompt was chunked or what ran beside it. The int8 activations of the
+        4-bit and int8 kernels magnify the float-order difference between prefill's attention and decode's (~1e-6)
+        into ~0.1-0.2 nats in a logprob. The native step's matmuls give each row the same bits whatever the batch,
+        and its attention kernel reads a prompt's rows in tiles (decode_attention.h), so this costs prefill little.
+        aten's matmuls (the eager and compiled steps) are not row-invariant, so elsewhere prompts prefill whole."""
+        return self.native_step is not None
+
+    def _decode_forward(self, input_ids, positions, meta):
+        """The forward that serves decode rows now, counted by name in decode_steps."""
         compiled_forward = None if self.compiled is None else self.compiled.forward  # once: the build's thread sets it
-        if is_decode and self.native_step is not None:
-            forward = self.native_step
-        elif is_decode and compiled_forward is not None:
+        if self.native_step is not None:
+            self.decode_steps["native"] += 1
+            return self.native_step
+        if compiled_forward is not None:
             compiled.mark_dynamic(input_ids, positions, meta)
-            forward = compiled_forward
-        if is_decode:
-            self.decode_steps["native" if forward is self.native_step else
-                              "compiled" if forward is compiled_forward else "eager"] += 1
-        hidden = forward(input_ids, positions, self.kv_layers, meta)
-        return _select_logits(self.model, hidden, batch)
+            self.decode_steps["compiled"] += 1
+            return compiled_forward
+        self.decode_steps["eager"] += 1
+        return self.model.forward
 
     @property
     def decode_step(self) -> str:
@@ -154,7 +181,7 @@ class ModelRunner:
         context_len = compiled.warmup_context_len(sizes, self.block_size, len(block_table))
         for size in sizes:
             seqs = [compiled.WarmupSequence([0] * context_len, context_len - 1, block_table) for _ in range(size)]
-            input_ids, positions, meta = self._prepare(ScheduledBatch(seqs, [1] * size))
+            input_ids, positions, meta = self._prepare([(seq, seq.num_computed_tokens, 1) for seq in seqs])
             compiled.mark_dynamic(input_ids, positions, meta)
             compiled_forward(input_ids, positions, self.kv_layers, meta)
         logger.info("compiled the decode step for batch sizes %s in %.1f s", sizes, time.monotonic() - started)
@@ -178,15 +205,17 @@ class ModelRunner:
                 torch.cuda.synchronize()
             return None
 
-    def _prepare(self, batch: ScheduledBatch):
+    def _prepare(self, spans: list[tuple]):
+        """Input tensors for `spans`: (sequence, first new position, number of new tokens) each, in row order."""
         block_size, device = self.block_size, self.device
-        starts = [seq.num_computed_tokens for seq in batch.seqs]
-        lengths = batch.num_new_tokens
+        seqs = [seq for seq, _, _ in spans]
+        starts = [start for _, start, _ in spans]
+        lengths = [n for _, _, n in spans]
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         offsets: list[int] = []  # where each sequence's tokens start in T
-        for seq, start, length in zip(batch.seqs, starts, lengths):
+        for seq, start, length in spans:
             offsets.append(len(token_ids))
             token_ids += seq.token_ids[start : start + length]
             positions += range(start, start + length)
@@ -200,17 +229,17 @@ class ModelRunner:
         decoding = [i for i, n in enumerate(lengths) if n == 1]
         parts = ([decoding] if decoding else []) + [[i] for i, n in enumerate(lengths) if n > 1]
         with_rows = len(parts) > 1
-        groups = [self._group(batch, starts, offsets, part, with_rows) for part in parts]
+        groups = [self._group(seqs, starts, lengths, offsets, part, with_rows) for part in parts]
 
         meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
         return input_ids, torch.tensor(positions, dtype=torch.long, device=device), meta
 
-    def _group(self, batch: ScheduledBatch, starts, offsets, members: list[int], with_rows: bool) -> AttentionGroup:
+    def _group(self, seqs, starts, lengths, offsets, members: list[int], with_rows: bool) -> AttentionGroup:
         block_size, device = self.block_size, self.device
-        seqs = [batch.seqs[i] for i in members]
+        seqs = [seqs[i] for i in members]
         starts = [starts[i] for i in members]
-        lengths = [batch.num_new_tokens[i] for i in members]
+        lengths = [lengths[i] for i in members]
         num_seqs, max_query = len(seqs), max(lengths)
         context_lens = torch.tensor([s + n for s, n in zip(starts, lengths)], device=device)
         max_context = int(context_lens.max())
@@ -259,18 +288,13 @@ def _marked_dynamic(compiled_forward):
     return forward
 
 
-def _select_logits(model, hidden, batch: ScheduledBatch) -> StepLogits:
+def _select_logits(model, hidden_of: list[torch.Tensor], batch: ScheduledBatch) -> StepLogits:
     """Only the positions someone reads get logits: each sampler's last token, and every new position of a
-    sequence whose prompt logprobs were asked for (echo, scoring). Every step path's forward (eager, compiled,
-    native) returns the final-normed hidden states, so an embedding's rows are read here alike on each."""
-    ends = torch.tensor(batch.num_new_tokens).cumsum(0).tolist()
-    last_rows = [end - 1 for end, s in zip(ends, batch.samples) if s]
-    sample_logits = model.compute_logits(hidden[last_rows]) if last_rows else hidden.new_empty(0, 0)
-    prompt_logits = {}
-    for i, wanted in enumerate(batch.wants_prompt_logits):
-        if wanted:
-            start = ends[i] - batch.num_new_tokens[i]
-            prompt_logits[i] = model.compute_logits(hidden[start : ends[i]])
-    hidden_states = {i: hidden[ends[i] - batch.num_new_tokens[i] : ends[i]]
-                     for i, wanted in enumerate(batch.wants_hidden_states) if wanted}
+    sequence whose prompt logprobs were asked for (echo, scoring); and the new rows' hidden states themselves where
+    an embedding reads them. `hidden_of`: each sequence's new rows."""
+    last_rows = [hidden[-1] for hidden, s in zip(hidden_of, batch.samples) if s]
+    sample_logits = model.compute_logits(torch.stack(last_rows)) if last_rows else hidden_of[0].new_empty(0, 0)
+    prompt_logits = {i: model.compute_logits(hidden_of[i]) for i, wanted in enumerate(batch.wants_prompt_logits)
+                     if wanted}
+    hidden_states = {i: hidden_of[i] for i, wanted in enumerate(batch.wants_hidden_states) if wanted}
     return StepLogits(sample_logits, prompt_logits, hidden_states)

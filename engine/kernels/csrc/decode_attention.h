@@ -75,60 +75,70 @@ struct Scratch {
   std::vector<float> query, scores, acc;
 };
 
-// One (sequence, KV head) pair: its G query heads against its context.
+// One tile's KV head: R rows (a sequence at one position each, each row's context a prefix of the last row's:
+// lengths[r] <= lengths[R - 1]), each with its G query heads. Each key and value is read once for the tile; each
+// (row, head)'s arithmetic is what it would be alone, in the same order: its scores one dot per position, its
+// softmax over its own length, its sum over its positions in order. So a prompt run as R decode rows gets the bits
+// that decoding each of its tokens gets.
 template <class V, typename T>
-void attend_pair(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, int64_t length,
-                 int64_t row_stride, int64_t G, int64_t D, float scale, bool round_like_bf16, T* out,
-                 Scratch& scratch) {
+void attend_tile(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* slots,
+                 const int64_t* lengths, int64_t R, int64_t row_stride, int64_t G, int64_t D, float scale,
+                 bool round_like_bf16, T* out, int64_t out_row_stride, Scratch& scratch) {
   using Reg = typename V::Reg;
-  const int64_t vectors = D / V::kLanes;
+  const int64_t vectors = D / V::kLanes, heads = R * G, length = lengths[R - 1];
   std::vector<float>& query = scratch.query;
   std::vector<float>& scores = scratch.scores;
   std::vector<float>& acc = scratch.acc;
-  query.resize(G * D);
-  scores.resize(G * length);
-  acc.assign(G * D, 0.0f);
-  for (int64_t i = 0; i < G * D; i += V::kLanes) V::store(&query[i], V::load(q + i));
+  query.resize(heads * D);
+  scores.resize(heads * length);
+  acc.assign(heads * D, 0.0f);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < G * D; i += V::kLanes) V::store(&query[r * G * D + i], V::load(q + r * q_row_stride + i));
+  int64_t first_row = 0;  // the first row whose context reaches position l
   for (int64_t l = 0; l < length; ++l) {
     if (l + kPrefetch < length) prefetch_row(k_cache + slots[l + kPrefetch] * row_stride, D);
+    while (lengths[first_row] <= l) ++first_row;
     const T* key = k_cache + slots[l] * row_stride;
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t head = first_row * G; head < heads; ++head) {
       Reg dot = V::zero();
       for (int64_t j = 0; j < vectors; ++j)
-        dot = V::fmadd(V::load(&query[g * D + j * V::kLanes]), V::load(key + j * V::kLanes), dot);
-      scores[g * length + l] = V::reduce_add(dot);
+        dot = V::fmadd(V::load(&query[head * D + j * V::kLanes]), V::load(key + j * V::kLanes), dot);
+      scores[head * length + l] = V::reduce_add(dot);
     }
   }
   const Reg scale_v = V::set1(scale);
   const auto add = [](Reg a, Reg b) { return V::add(a, b); };
-  for (int64_t g = 0; g < G; ++g) {  // softmax in fp32, as torch's: exp(s - max) / sum
-    float* row = &scores[g * length];
+  for (int64_t head = 0; head < heads; ++head) {  // softmax in fp32, as torch's: exp(s - max) / sum
+    float* row = &scores[head * length];
+    const int64_t n = lengths[head / G];
     const Reg max_v = V::set1(V::reduce_max(map_row<V>(
-        row, length, V::set1(-std::numeric_limits<float>::infinity()),
+        row, n, V::set1(-std::numeric_limits<float>::infinity()),
         [&](Reg s) { return V::mul(round_like_bf16 ? V::round_to_bf16(s) : s, scale_v); },
         [](Reg a, Reg b) { return V::max(a, b); })));
     const Reg sum = V::set1(V::reduce_add(map_row<V>(
-        row, length, V::zero(), [&](Reg s) { return V::exp(V::sub(s, max_v)); }, add)));
-    map_row<V>(row, length, V::zero(), [&](Reg e) {
+        row, n, V::zero(), [&](Reg s) { return V::exp(V::sub(s, max_v)); }, add)));
+    map_row<V>(row, n, V::zero(), [&](Reg e) {
       const Reg p = V::div(e, sum);
       return round_like_bf16 ? V::round_to_bf16(p) : p;
     }, add);
   }
+  first_row = 0;
   for (int64_t l = 0; l < length; ++l) {
     if (l + kPrefetch < length) prefetch_row(v_cache + slots[l + kPrefetch] * row_stride, D);
+    while (lengths[first_row] <= l) ++first_row;
     const T* value = v_cache + slots[l] * row_stride;
     for (int64_t j = 0; j < vectors; ++j) {
       const Reg v = V::load(value + j * V::kLanes);
-      for (int64_t g = 0; g < G; ++g) {
-        float* a = &acc[g * D + j * V::kLanes];
-        V::store(a, V::fmadd(V::set1(scores[g * length + l]), v, V::load(a)));
+      for (int64_t head = first_row * G; head < heads; ++head) {
+        float* a = &acc[head * D + j * V::kLanes];
+        V::store(a, V::fmadd(V::set1(scores[head * length + l]), v, V::load(a)));
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g) store_floats(out + g * D, &acc[g * D], D);
+  for (int64_t r = 0; r < R; ++r) store_floats(out + r * out_row_stride, &acc[r * G * D], G * D);
 }
 
-// Tasks [task0, task1) of p: each is one (sequence, KV head) pair.
+// Tasks [task0, task1) of p: each is one (tile, KV head) pair (see attention_tiles).
 template <class V, typename T>
 void attend(const AttentionProblem& p, int64_t task0, int64_t task1) {
   const int64_t G = p.H / p.Hkv;
@@ -137,11 +147,15 @@ void attend(const AttentionProblem& p, int64_t task0, int64_t task1) {
   const T* v = static_cast<const T*>(p.v_cache);
   T* out = static_cast<T*>(p.out);
   Scratch scratch;
+  std::vector<int64_t> lengths;
   for (int64_t task = task0; task < task1; ++task) {
-    const int64_t b = task / p.Hkv, h = task % p.Hkv;
-    const int64_t length = std::min(p.lengths[b], p.L);
-    attend_pair<V, T>(q + (b * p.H + h * G) * p.D, k + h * p.D, v + h * p.D, p.slots + b * p.L, length,
-                      p.Hkv * p.D, G, p.D, p.scale, p.bf16, out + (b * p.H + h * G) * p.D, scratch);
+    const int64_t tile = task / p.Hkv, h = task % p.Hkv;
+    const int64_t b0 = p.tiles[tile], rows = p.tiles[tile + 1] - b0, last = b0 + rows - 1;
+    lengths.resize(rows);
+    for (int64_t r = 0; r < rows; ++r) lengths[r] = std::min(p.lengths[b0 + r], p.L);
+    attend_tile<V, T>(q + (b0 * p.H + h * G) * p.D, p.H * p.D, k + h * p.D, v + h * p.D, p.slots + last * p.L,
+                      lengths.data(), rows, p.Hkv * p.D, G, p.D, p.scale, p.bf16, out + (b0 * p.H + h * G) * p.D,
+                      p.H * p.D, scratch);
   }
 }
 

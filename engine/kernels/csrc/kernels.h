@@ -95,6 +95,9 @@ struct AttentionProblem {
   int64_t B, H, D, Hkv, L;
   float scale;
   void* out;  // [B, H * D]
+  // Rows [tiles[t], tiles[t + 1]) attend as tile t (decode_attention sets them: attention_tiles in matmul.h).
+  const int64_t* tiles = nullptr;
+  int64_t num_tiles = 0;
 };
 void decode_attention_avx2(const AttentionProblem& p, int64_t task0, int64_t task1);
 

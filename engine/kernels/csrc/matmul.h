@@ -4,6 +4,8 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstring>
 
 #include <vector>
 
@@ -65,8 +67,30 @@ inline void q8_matmul(Q8Groups groups, QuantizedScratch& scratch, const void* x,
   at::parallel_for(0, N / kQ8GroupRows, 8, [&](int64_t g0, int64_t g1) { groups(p, g0, g1); });
 }
 
-inline void decode_attention(AttentionTasks tasks, const AttentionProblem& p) {
-  at::parallel_for(0, p.B * p.Hkv, 1, [&](int64_t t0, int64_t t1) { tasks(p, t0, t1); });
+// Consecutive rows whose contexts are prefixes of one another's (a prompt run as decode rows, one position each:
+// engine/decode/runner.py) attend as one tile of up to kAttentionTileRows, reading each key and value once for all
+// of them; rows of different sequences (a decode step) are tiles of one row. Each row's arithmetic is the same
+// either way (decode_attention.h: attend_tile).
+constexpr int64_t kAttentionTileRows = 16;
+
+inline std::vector<int64_t> attention_tiles(const AttentionProblem& p) {
+  std::vector<int64_t> starts{0};
+  for (int64_t b = 1; b < p.B; ++b) {
+    const int64_t previous = std::min(p.lengths[b - 1], p.L), length = std::min(p.lengths[b], p.L);
+    const bool extends_previous = b - starts.back() < kAttentionTileRows && length >= previous &&
+                                  std::memcmp(p.slots + b * p.L, p.slots + (b - 1) * p.L, previous * sizeof(int64_t)) == 0;
+    if (!extends_previous) starts.push_back(b);
+  }
+  starts.push_back(p.B);
+  return starts;
+}
+
+inline void decode_attention(AttentionTasks tasks, const AttentionProblem& problem) {
+  const std::vector<int64_t> tiles = attention_tiles(problem);
+  AttentionProblem p = problem;
+  p.tiles = tiles.data();
+  p.num_tiles = static_cast<int64_t>(tiles.size()) - 1;
+  at::parallel_for(0, p.num_tiles * p.Hkv, 1, [&](int64_t t0, int64_t t1) { tasks(p, t0, t1); });
 }
 
 }  // namespace tern

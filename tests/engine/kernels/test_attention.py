@@ -101,3 +101,34 @@ def test_engine_decodes_the_same_tokens_with_the_attention_kernel_as_with_its_ma
                 assert dtype == "bfloat16" and mine in top and top[theirs] - top[mine] <= tie
                 break
             assert abs(ours.logprobs[position].logprob - twin.logprobs[position].logprob) <= tie
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_prompt_attended_as_decode_rows_gets_the_bits_each_row_gets_alone(path_kernels, dtype):
+    """A prompt run as decode rows (one row per position, each attending to the positions up to its own: how the
+    native step prefills) is served in tiles that read each key once. Each row's output must still be the exact bits
+    that attending that row alone gives, which is what decoding that token computes: so a prompt token's logprob
+    is the one it gets when generated. Two prompts of 37 and 21 rows (tiles of 16 and partial ones) between
+    decode rows of other sequences."""
+    attend = require_op(path_kernels.decode_attention, "decode attention")
+    generator = torch.Generator().manual_seed(7)
+    slots, heads, kv_heads, dim = 1024, 9, 3, 64
+    k_cache = torch.randn(slots, kv_heads, dim, generator=generator).to(dtype)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=generator).to(dtype)
+    order = torch.randperm(slots, generator=generator)
+    first, second, other = order[:60], order[60:90], order[90:]
+    rows = [(other[:50], 50)]  # a decode row of another sequence
+    rows += [(first, start + position + 1) for start, position in [(23, p) for p in range(37)]]
+    rows += [(other[50:150], 100)]
+    rows += [(second, 9 + position + 1) for position in range(21)]
+    length = max(len(context) for context, _ in rows)
+    context_slots = torch.stack([torch.nn.functional.pad(c, (0, length - len(c))) for c, _ in rows])
+    context_lens = torch.tensor([n for _, n in rows])
+    q = torch.randn(len(rows), heads, dim, generator=generator).to(dtype)
+    together = attend(q, k_cache, v_cache, context_slots, context_lens, dim**-0.5)
+    for b in range(len(rows)):
+        alone = attend(q[b:b + 1], k_cache, v_cache, context_slots[b:b + 1], context_lens[b:b + 1], dim**-0.5)
+        assert torch.equal(alone[0], together[b]), b
+    expected = _matmul_decode_attention(q, k_cache, v_cache, context_slots, context_lens, dim**-0.5)
+    tolerance = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(together.float(), expected.float(), rtol=tolerance, atol=tolerance)

@@ -1,0 +1,72 @@
+"""Prefill speed of source trees against each other: the time to first token of fresh prompts in an in-process
+engine, each tree in a child process of its own, alternated rounds (the order reversed every other round), ratios
+taken within a round.
+
+    .venv/bin/python bench/prefill.py --trees /tmp/baseline-checkout . --tokens 200 1500 [--model FILE.gguf]
+
+Each child loads the model as the server does (EngineConfig.serving(), without the background compile), prefills
+a warm-up prompt, then times --reps prompts of each length (max_tokens 1; different token ids each time, so the
+prefix cache never serves them) and prints the median seconds. Ratio: a tree's median over the first tree's in the
+same round (below 1: faster than the first). A baseline checkout: `git worktree add /tmp/baseline-checkout <commit>`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def child(args) -> None:
+    sys.path.insert(0, str(Path.cwd()))
+    from engine import Engine, EngineConfig, SamplingParams
+
+    with Engine(EngineConfig.serving(model=args.model, compile=False)) as engine:
+        vocab = engine.vocab_size
+        engine.generate([list(range(100, 164))], SamplingParams(max_tokens=1))
+        medians = {}
+        for n in args.tokens:
+            times = []
+            for rep in range(args.reps):
+                prompt = [(1000 + 7 * i + 131 * rep + n) % (vocab - 1000) + 500 for i in range(n)]
+                started = time.perf_counter()
+                engine.generate([prompt], SamplingParams(max_tokens=1))
+                times.append(time.perf_counter() - started)
+            medians[n] = statistics.median(times)
+    print("RESULT " + json.dumps({"path": engine.info().decode_step, "medians": medians}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trees", type=Path, nargs="+", default=[Path(".")], help="source trees; the first is the baseline")
+    parser.add_argument("--model", help="checkpoint folder or .gguf (default: the default model)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[200, 1500])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    trees = [tree.resolve() for tree in args.trees]
+    print(f"prefill, median of {args.reps} prompts per length, seconds (ratio to {trees[0]})")
+    for round_ in range(args.rounds):
+        order = trees if round_ % 2 == 0 else trees[::-1]
+        results = {}
+        for tree in order:
+            command = [sys.executable, str(Path(__file__).resolve()), "--child", "--reps", str(args.reps),
+                       "--tokens", *map(str, args.tokens)] + (["--model", args.model] if args.model else [])
+            output = subprocess.run(command, cwd=tree, capture_output=True, text=True, check=True).stdout
+            results[tree] = json.loads(output.split("RESULT ", 1)[1])
+        base = results[trees[0]]["medians"]
+        for tree in trees:
+            result = results[tree]
+            cells = [f"{n} tokens {result['medians'][str(n)]:.2f} s ({result['medians'][str(n)] / base[str(n)]:.2f}x)"
+                     for n in args.tokens]
+            print(f"round {round_ + 1} | {tree.name or tree} ({result['path']}) | " + " | ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
