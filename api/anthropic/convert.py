@@ -147,7 +147,7 @@ def _user_turn(blocks: list[ContentBlockParam], where: str) -> list[dict]:
             results.append({"role": "tool", "tool_call_id": block.tool_use_id,
                             "content": f"Error: {content}" if block.is_error else content})
         else:
-            raise _unsupported(block, f"{where}.content[{j}]", "user", "text or tool_result (with tool_use_id)")
+            raise _unsupported(block, f"{where}.content[{j}]", "user", ("text", "tool_result"), "tool_use_id")
     return results + ([{"role": "user", "content": "\n".join(texts)}] if texts or not results else [])
 
 
@@ -160,7 +160,7 @@ def _assistant_turn(blocks: list[ContentBlockParam], where: str) -> dict:
             arguments = json.dumps(block.input, ensure_ascii=False)
             calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
         elif block.type not in _DROPPED:
-            raise _unsupported(block, f"{where}.content[{j}]", "assistant", "text or tool_use (with id, name, input)")
+            raise _unsupported(block, f"{where}.content[{j}]", "assistant", ("text", "tool_use"), "id, name, input")
     message: dict = {"role": "assistant", "content": "\n".join(texts)}
     if calls:
         message["tool_calls"] = calls
@@ -179,10 +179,11 @@ def _result_text(content: str | list[ToolResultPart] | None, where: str) -> str:
     return "\n".join(texts)
 
 
-def _unsupported(block: ContentBlockParam, where: str, role: str, expected: str) -> OpenAIError:
-    message = f"{where}: content blocks of type {block.type!r} are not supported in {role} turns; send {expected}"
-    if block.type in ("text", "tool_use", "tool_result"):
-        message = f"{where}: this {block.type} block lacks a field it needs; send {expected}"
+def _unsupported(block: ContentBlockParam, where: str, role: str, types: tuple[str, str], fields: str) -> OpenAIError:
+    expected = f"send {types[0]} or {types[1]} blocks (a {types[1]} with {fields})"
+    message = f"{where}: content blocks of type {block.type!r} are not supported in {role} turns; {expected}"
+    if block.type in types:
+        message = f"{where}: this {block.type} block lacks a field it needs; {expected}"
     return OpenAIError(400, message, param=where, code="unsupported_content_type")
 
 
