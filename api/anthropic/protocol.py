@@ -49,7 +49,8 @@ class ToolParam(_Body):
     name: str = Field(description="a-z, A-Z, 0-9, _ and -, at most 64 characters.")
     description: str | None = None
     input_schema: dict[str, Any] = Field(description="JSON Schema of the input object (\"type\": \"object\").")
-    type: str | None = Field(None, description="Absent or \"custom\"; server tools (bash, web_search, ...) are refused.")
+    type: str | None = Field(None, description="Absent or \"custom\"; server tools (bash, web_search, ...) are "
+                             "refused.")
     cache_control: dict[str, Any] | None = None
 
 

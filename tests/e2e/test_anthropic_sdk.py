@@ -120,8 +120,9 @@ def test_a_stop_sequence_ends_the_text_and_is_reported(client, model):
 
 
 def test_tool_choice_any_gives_a_tool_use_valid_against_its_schema(client, model):
-    message = client.messages.create(model=model, max_tokens=100, extra_body={"temperature": 1.0}, messages=WEATHER_ASK, tools=TOOLS,
-                                     tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    one_call = {"type": "any", "disable_parallel_tool_use": True}
+    message = client.messages.create(model=model, max_tokens=100, extra_body={"temperature": 1.0}, tools=TOOLS,
+                                     messages=WEATHER_ASK, tool_choice=one_call)
     assert message.stop_reason == "tool_use"
     [call] = [block for block in message.content if block.type == "tool_use"]
     assert call.id.startswith("toolu_") and call.name == "get_weather"
@@ -165,7 +166,7 @@ def test_errors_are_in_anthropics_envelope(client, live_server, model):
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}])
     assert caught.value.body["error"]["type"] == "invalid_request_error" and "image" in caught.value.message
     with pytest.raises(anthropic.NotFoundError) as caught:
-        client.messages.create(model="claude-sonnet-4-5", max_tokens=8, messages=ASK)
+        client.messages.create(model="not-the-served-model", max_tokens=8, messages=ASK)
     assert caught.value.body["error"]["type"] == "not_found_error"
     # The server is fine afterwards.
     assert client.messages.create(model=model, max_tokens=2, messages=ASK).usage.output_tokens > 0
@@ -205,6 +206,7 @@ def test_a_claude_code_style_request(live_server, model):
     stop = events[-2][1]["delta"]["stop_reason"]
     assert stop in ("end_turn", "max_tokens", "tool_use")
     starts = [data["content_block"] for name, data in events if name == "content_block_start"]
-    assert starts and [data["index"] for name, data in events if name == "content_block_stop"] == list(range(len(starts)))
+    stops = [data["index"] for name, data in events if name == "content_block_stop"]
+    assert starts and stops == list(range(len(starts)))
     if stop == "tool_use":
         assert any(block["type"] == "tool_use" for block in starts)
