@@ -34,6 +34,7 @@ def build_router(handle: EngineHandle, api_key: str | None = None,
                          dependencies=[Depends(bearer_scheme)] if context.api_key else None)
     anthropic.add_routes(messages, context)
     _answer_every_method(messages)
+    anthropic.add_unknown_route(messages, _METHODS)
     v1 = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)] if context.api_key else None)
     chat.add_routes(v1, context)
     completions.add_routes(v1, context)

@@ -3,6 +3,6 @@ from Tern's chat, routes, response bodies for /openapi.json, and Anthropic's err
 from __future__ import annotations
 
 from api.anthropic.errors import error_response, response_for_path
-from api.anthropic.routes import add_routes
+from api.anthropic.routes import add_routes, add_unknown_route
 
-__all__ = ["add_routes", "error_response", "response_for_path"]
+__all__ = ["add_routes", "add_unknown_route", "error_response", "response_for_path"]

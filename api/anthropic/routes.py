@@ -50,9 +50,11 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
         turns = to_chat(body)
         return CountTokensResponse(input_tokens=len(prompt_ids_for(engine, turns.messages, turns.tools)))
 
-    # Last: any other path under /v1/messages is a 404 in Anthropic's shape, not the OpenAI one /v1/{path} gives.
-    @router.api_route("/v1/messages/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
-                      include_in_schema=False)
+
+def add_unknown_route(router: APIRouter, methods: list[str]) -> None:
+    """Any other path under /v1/messages: a 404 in Anthropic's shape, not the OpenAI one /v1/{path} gives. Added
+    after the routes' 405s, which a catch-all before them would shadow."""
+    @router.api_route("/v1/messages/{path:path}", methods=methods, include_in_schema=False)
     async def unknown_route(request: Request, path: str):
         raise OpenAIError(404, f"Invalid URL ({request.method} /v1/messages/{path})", code="unknown_url")
 

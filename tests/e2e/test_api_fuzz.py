@@ -214,3 +214,9 @@ def test_messages_answers_match_their_documented_schemas(http):
         response = case.call()
         case.validate_response(response)
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    # Another method is a 405 naming the one served, another path under /v1/messages a 404: in the same envelope.
+    for method, path, status, kind in [("GET", "/v1/messages/count_tokens", 405, "invalid_request_error"),
+                                       ("DELETE", "/v1/messages/msg_1", 404, "not_found_error")]:
+        response = http.request(method, path)
+        assert response.status_code == status and response.json()["error"]["type"] == kind, response.text
+    assert response.status_code == 404 and http.get("/v1/messages").headers["allow"] == "POST"
