@@ -36,7 +36,7 @@ def test_system_text_blocks_and_a_tool_round_trip_become_chat_messages():
             {"type": "text", "text": "And tomorrow?"}]},
         {"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": "toolu_2", "content": "no such city", "is_error": True}]},
-    ], tools=TOOLS)
+    ], tools=TOOLS, thinking={"type": "enabled", "budget_tokens": 1024}, metadata={"user_id": "u"})
     turns = to_chat(body)
     assert turns.messages == [
         {"role": "system", "content": "Be brief.\nUse tools."},
