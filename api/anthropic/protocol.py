@@ -45,7 +45,7 @@ class MessageParam(_Body):
     content: str | list[ContentBlockParam]
 
 
-class ToolParam(_Body):
+class AnthropicTool(_Body):
     name: str = Field(description="a-z, A-Z, 0-9, _ and -, at most 64 characters.")
     description: str | None = None
     input_schema: dict[str, Any] = Field(description="JSON Schema of the input object (\"type\": \"object\").")
@@ -54,7 +54,7 @@ class ToolParam(_Body):
     cache_control: dict[str, Any] | None = None
 
 
-class ToolChoice(_Body):
+class AnthropicToolChoice(_Body):
     type: Literal["auto", "any", "tool", "none"] = Field(
         description="auto: text or calls; any: at least one call; tool: one call of `name`; none: no tools offered.")
     name: str | None = Field(None, description="With type \"tool\": the tool to call.")
@@ -66,7 +66,7 @@ class ThinkingConfig(_Body):
     budget_tokens: int | None = Field(None, ge=0, description="Accepted; extended thinking is not generated yet.")
 
 
-class Metadata(_Body):
+class AnthropicMetadata(_Body):
     user_id: str | None = Field(None, description="Accepted; unused.")
 
 
@@ -79,9 +79,9 @@ class CountTokensRequest(_Body):
     model: str = Field(description="The served model id (GET /v1/models).")
     messages: list[MessageParam] = Field(min_length=1)
     system: str | list[TextBlockParam] | None = Field(None, description="A system prompt: a string or text blocks.")
-    tools: list[ToolParam] | None = Field(None, description="Tools the model may call; their definitions go into "
+    tools: list[AnthropicTool] | None = Field(None, description="Tools the model may call; their definitions go into "
                                           "the prompt.")
-    tool_choice: ToolChoice | None = Field(None, description="Default auto with tools.")
+    tool_choice: AnthropicToolChoice | None = Field(None, description="Default auto with tools.")
     thinking: ThinkingConfig | None = Field(None, description="Accepted; extended thinking is not generated yet.")
 
 
@@ -100,7 +100,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling mass; default 1 (off).")
     top_k: int | None = Field(None, ge=0, description="Keep the k most likely tokens; 0 or absent: off.")
     stream: bool | None = Field(False, description="Server-sent events: message_start ... message_stop.")
-    metadata: Metadata | None = None
+    metadata: AnthropicMetadata | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         return SamplingParams(

@@ -207,6 +207,10 @@ def test_messages_answers_match_their_documented_schemas(http):
     errors in Anthropic's envelope, a malformed body's included (FastAPI would have said 422)."""
     schemathesis = pytest.importorskip("schemathesis", reason=NEEDS_SCHEMATHESIS)
     schema = schemathesis.openapi.from_url(f"{http.base_url}/openapi.json")
+    paths = http.get("/openapi.json").json()["paths"]
+    refs = [paths[path]["post"]["responses"]["400"]["content"]["application/json"]["schema"]["$ref"]
+            for path in ("/v1/messages", CHAT)]
+    assert refs == ["#/components/schemas/AnthropicErrorResponse", "#/components/schemas/ErrorResponse"]
     model = http.get("/v1/models").json()["data"][0]["id"]
     body = {"model": model, "max_tokens": 4, "messages": HI, "temperature": 0}
     for case_body in (body, {**body, "stream": True}, {"model": model, "messages": HI}):
