@@ -1,5 +1,5 @@
-"""OpenAI-compatible API: /v1 (chat, completions, embeddings, models, loglikelihood), tokenizer routes, health and
-metrics."""
+"""OpenAI-compatible API: /v1 (chat, completions, embeddings, models, loglikelihood), Anthropic's Messages API
+(/v1/messages), tokenizer routes, health and metrics."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
@@ -7,7 +7,7 @@ from fastapi.routing import APIRoute
 
 from engine import EngineHandle
 
-from api import chat, completions, embeddings, models, responses, scoring, tokenize
+from api import anthropic, chat, completions, embeddings, models, responses, scoring, tokenize
 from api.auth import bearer_scheme
 from api.cors import APICORSMiddleware
 from api.errors import OpenAIError, install_error_handlers
@@ -23,11 +23,18 @@ _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS", "TRACE",
 def build_router(handle: EngineHandle, api_key: str | None = None,
                  max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> APIRouter:
     """All API routes over one engine handle. With api_key, every route that runs the model or its tokenizer needs
-    `Authorization: Bearer <key>`; /health, /ready and /metrics (api.route_context.OPEN_PATHS) stay open for probes.
-    max_stored_responses bounds the Responses API's store (api/responses/store.py)."""
+    `Authorization: Bearer <key>` (or, on /v1/messages, `x-api-key: <key>`); /health, /ready and /metrics
+    (api.route_context.OPEN_PATHS) stay open for probes. max_stored_responses bounds the Responses API's store
+    (api/responses/store.py)."""
     context = RouteContext(handle, api_key)
     route_class = context.route_class()
     # The bearer dependency only documents the key in /openapi.json; the route class checks it.
+    # Anthropic's routes answer every error in Anthropic's envelope; included before /v1's catch-all.
+    messages = APIRouter(route_class=context.route_class(anthropic.error_response, takes_x_api_key=True),
+                         dependencies=[Depends(bearer_scheme)] if context.api_key else None)
+    anthropic.add_routes(messages, context)
+    _answer_every_method(messages)
+    anthropic.add_unknown_route(messages, _METHODS)
     v1 = APIRouter(route_class=route_class, dependencies=[Depends(bearer_scheme)] if context.api_key else None)
     chat.add_routes(v1, context)
     completions.add_routes(v1, context)
@@ -50,6 +57,7 @@ def build_router(handle: EngineHandle, api_key: str | None = None,
     _answer_every_method(status)
 
     router = APIRouter()
+    router.include_router(messages)
     router.include_router(v1)
     router.include_router(tokenizer)
     router.include_router(status)

@@ -1,10 +1,12 @@
-"""Request bodies over --max-body-size get a 413 in OpenAI's shape, without the body being read past the limit."""
+"""Request bodies over --max-body-size get a 413 in OpenAI's shape (Anthropic's on /v1/messages), without the body
+being read past the limit."""
 from __future__ import annotations
 
 import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.anthropic.errors import response_for_path
 from api.errors import RequestTooLargeError, to_openai_error
 
 logger = logging.getLogger(__name__)
@@ -72,7 +74,8 @@ async def _refuse(scope: Scope, send: Send, limit: int) -> None:
     logger.info('413 "%s %s": body over %d bytes', scope.get("method"), scope.get("path"), limit)
     # No "Connection: close": uvicorn then reads the rest of the body and drops it as it arrives (no memory held),
     # so a client that sends its whole body before it reads (requests, httpx) gets this answer, not a reset.
-    await to_openai_error(RequestTooLargeError(limit)).response()(scope, _no_body, send)
+    error = to_openai_error(RequestTooLargeError(limit))
+    await response_for_path(scope.get("path", ""), error)(scope, _no_body, send)
 
 
 async def _no_body() -> Message:

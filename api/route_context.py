@@ -6,6 +6,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
@@ -81,18 +82,22 @@ class RouteContext:
             raise OpenAIError(404, message, param="model", code="model_not_found")
         return engine
 
-    def route_class(self) -> type[APIRoute]:
-        """An APIRoute whose handler adds request ids, the API-key check, one error shape, metrics and a log line."""
+    def route_class(self, error_response: Callable[[OpenAIError], Response] = OpenAIError.response,
+                    takes_x_api_key: bool = False) -> type[APIRoute]:
+        """An APIRoute whose handler adds request ids, the API-key check, one error shape, metrics and a log line.
+        error_response writes every failure (OpenAI's shape unless the routes speak another API's);
+        takes_x_api_key: the key may also come as `x-api-key` (Anthropic's clients send it so)."""
         context = self
 
         class ServedRoute(APIRoute):
             def get_route_handler(self):
-                return _served(super().get_route_handler(), self.path, context)
+                return _served(super().get_route_handler(), self.path, context, error_response, takes_x_api_key)
 
         return ServedRoute
 
 
-def _served(handler, route_path: str, context: RouteContext):
+def _served(handler, route_path: str, context: RouteContext, error_response: Callable[[OpenAIError], Response],
+            takes_x_api_key: bool):
     needs_key = context.needs_key(route_path)
     is_work = route_path not in OPEN_PATHS  # refused while the server drains; the probes keep answering
 
@@ -103,15 +108,15 @@ def _served(handler, route_path: str, context: RouteContext):
         started = time.perf_counter()
         try:
             if needs_key:
-                authorize(request, context.api_key)
+                authorize(request, context.api_key, takes_x_api_key)
             if is_work and context.is_draining:
                 raise shutting_down()
             response = await handler(request)
-        except Exception as exc:  # everything, bad input included, leaves in OpenAI's error shape
+        except Exception as exc:  # everything, bad input included, leaves in the routes' one error shape
             error = to_openai_error(exc)
             if 400 <= error.status_code < 500:
                 logger.info("%s: %d %s (param %s)", request_id, error.status_code, error.message, error.param)
-            response = error.response()
+            response = error_response(error)
         response.headers["X-Request-ID"] = request_id
         context.metrics.requests.labels(route_path, request.method, str(response.status_code)).inc()
         elapsed_ms = (time.perf_counter() - started) * 1000

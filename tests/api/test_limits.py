@@ -59,6 +59,21 @@ def test_a_chunked_body_is_counted_as_it_arrives():
     assert response.status_code == 413 and error_of(response)["code"] == "request_too_large"
 
 
+def test_on_anthropics_messages_route_the_413_is_in_anthropics_envelope():
+    def chunks():
+        for _ in range(8):
+            yield b"x" * 200
+
+    for content in (b"x" * 2000, chunks()):  # refused from its Content-Length, or counted as it arrives
+        response = api_client().post("/v1/messages", content=content, headers={"content-type": "application/json"})
+        assert response.status_code == 413
+        assert response.json()["type"] == "error" and response.json()["error"]["type"] == "request_too_large"
+    body = {"model": "m", "max_tokens": 1, **HI}
+    loading = api_client().post("/v1/messages", json=body)  # past the limit: the model is not loaded
+    assert loading.status_code == 503 and loading.json()["error"]["type"] == "overloaded_error"
+    assert loading.headers["retry-after"]
+
+
 def test_a_body_under_the_limit_goes_through():
     response = api_client().post(CHAT, json=HI)
     assert response.status_code == 503 and error_of(response)["code"] == "model_not_ready"  # past the limit check

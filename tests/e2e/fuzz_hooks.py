@@ -16,6 +16,7 @@ _LENGTH_FIELDS = {
     "/v1/completions": ("max_tokens",),
     "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
     "/v1/responses": ("max_output_tokens",),
+    "/v1/messages": ("max_tokens",),
 }
 
 

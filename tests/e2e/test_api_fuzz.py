@@ -84,7 +84,8 @@ def test_schemathesis_finds_no_server_error_and_no_response_outside_the_schema(f
     operations = [(method.upper(), path) for path, item in http.get("/openapi.json").json()["paths"].items()
                   for method in item]
     for route in ("/tokenize", "/detokenize", "/tokenizer_info", "/health", "/ready", "/metrics", CHAT, COMPLETIONS,
-                  "/v1/models", "/v1/models/{model_id}", "/v1/loglikelihood", "/v1/embeddings"):
+                  "/v1/models", "/v1/models/{model_id}", "/v1/loglikelihood", "/v1/embeddings", "/v1/messages",
+                  "/v1/messages/count_tokens"):
         assert route in {path for _, path in operations}, route
     log_start = log_path.stat().st_size
 
@@ -199,3 +200,27 @@ def test_streaming_routes_document_their_events_as_openapi_tools_read_them(http)
         response = case.call()
         assert response.headers["content-type"][0].startswith("text/event-stream")
         case.validate_response(response)  # raises, naming the event, if one breaks the documented schema
+
+
+def test_messages_answers_match_their_documented_schemas(http):
+    """/v1/messages documents Anthropic's shapes: the message, each streamed event (`event:` and `data:` lines), and
+    errors in Anthropic's envelope, a malformed body's included (FastAPI would have said 422)."""
+    schemathesis = pytest.importorskip("schemathesis", reason=NEEDS_SCHEMATHESIS)
+    schema = schemathesis.openapi.from_url(f"{http.base_url}/openapi.json")
+    paths = http.get("/openapi.json").json()["paths"]
+    refs = [paths[path]["post"]["responses"]["400"]["content"]["application/json"]["schema"]["$ref"]
+            for path in ("/v1/messages", CHAT)]
+    assert refs == ["#/components/schemas/AnthropicErrorResponse", "#/components/schemas/ErrorResponse"]
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "max_tokens": 4, "messages": HI, "temperature": 0}
+    for case_body in (body, {**body, "stream": True}, {"model": model, "messages": HI}):
+        case = schema["/v1/messages"]["POST"].Case(body=case_body)
+        response = case.call()
+        case.validate_response(response)
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+    # Another method is a 405 naming the one served, another path under /v1/messages a 404: in the same envelope.
+    for method, path, status, kind in [("GET", "/v1/messages/count_tokens", 405, "invalid_request_error"),
+                                       ("DELETE", "/v1/messages/msg_1", 404, "not_found_error")]:
+        response = http.request(method, path)
+        assert response.status_code == status and response.json()["error"]["type"] == kind, response.text
+    assert response.status_code == 404 and http.get("/v1/messages").headers["allow"] == "POST"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -85,6 +86,35 @@ def test_every_route_that_runs_the_model_wants_the_key(keyed_server):
     reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=QUESTION, temperature=0)
     assert reply.choices[0].message.content == "The capital of France is Paris."
     assert API_KEY not in log_path.read_text()  # never logged
+
+
+def test_anthropic_clients_send_the_key_as_x_api_key_or_bearer(keyed_server):
+    """/v1/messages takes the key the ways Anthropic's clients send it; a wrong or missing one is a 401 in
+    Anthropic's envelope, checked before the body is read."""
+    base_url, _ = keyed_server
+    body = {"model": "unused", "max_tokens": 1, "messages": QUESTION}
+    for headers in ({}, {"x-api-key": "wrong"}, {"Authorization": "Bearer wrong"}, {"x-api-key": f"Bearer {API_KEY}"}):
+        for path, payload in (("/v1/messages", body), ("/v1/messages/count_tokens", body)):
+            response = httpx.post(f"{base_url}{path}", json=payload, headers=headers, timeout=60)
+            assert response.status_code == 401, (path, headers)
+            assert response.json()["type"] == "error" and response.json()["error"]["type"] == "authentication_error"
+            assert API_KEY not in response.text
+    # x-api-key is for these routes only: chat keeps OpenAI's Bearer.
+    assert httpx.get(f"{base_url}/v1/models", headers={"x-api-key": API_KEY}, timeout=30).status_code == 401
+    model = httpx.get(f"{base_url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"][0]["id"]
+    counted = httpx.post(f"{base_url}/v1/messages/count_tokens", json={**body, "model": model},
+                         headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}, timeout=60)
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
+    # The SDK (which sends its api_key as a Bearer token) works with the key and raises AuthenticationError without.
+    with_key = anthropic.Anthropic(base_url=base_url, api_key=API_KEY, max_retries=0, timeout=120)
+    assert with_key.messages.create(model=model, max_tokens=1, messages=QUESTION).id.startswith("msg_")
+    with_x_api_key = anthropic.Anthropic(base_url=base_url, auth_token=None, api_key=None, max_retries=0,
+                                         default_headers={"x-api-key": API_KEY}, timeout=120)
+    assert with_x_api_key.messages.count_tokens(model=model, messages=QUESTION).input_tokens > 0
+    wrong = anthropic.Anthropic(base_url=base_url, api_key="wrong", max_retries=0, timeout=120)
+    with pytest.raises(anthropic.AuthenticationError) as caught:
+        wrong.messages.create(model=model, max_tokens=1, messages=QUESTION)
+    assert caught.value.body["error"]["type"] == "authentication_error"
 
 
 def test_gradios_api_generates_nothing_without_the_key(keyed_server):
