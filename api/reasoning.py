@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import Engine
-from engine.text.reasoning import THINKING_SWITCH, ReasoningParser, ReasoningTags, split_reasoning
+from engine.text.reasoning import (
+    ReasoningParser, ReasoningTags, reply_start_for, split_reasoning, thinking_kwargs,
+)
 
 from api import function_tools
 from api.errors import OpenAIError
@@ -56,20 +58,14 @@ def is_constrained(answer: AnswerFormat, tools: function_tools.Tools) -> bool:
 
 def render_kwargs(engine: Engine, kwargs: dict, constrained: bool) -> dict:
     """The variables the template renders with: a constrained reply turns thinking off where the template can."""
-    tags = engine.tokenizer.reasoning
-    if constrained and tags is not None and tags.has_switch:
-        return {**kwargs, THINKING_SWITCH: False}
-    return kwargs
+    return {**kwargs, **thinking_kwargs(engine.tokenizer.reasoning, constrained)}
 
 
 def reply_reasoning(engine: Engine, prompt_text: str, constrained: bool) -> ReplyReasoning | None:
     """How to split the reply to this prompt, or None: the model does not think, the template turned thinking off
     (its prompt closed the block), or a grammar holds the reply."""
-    tags = engine.tokenizer.reasoning
-    if tags is None or constrained:
-        return None
-    start = tags.reply_start(prompt_text)
-    return None if start == "answer" else ReplyReasoning(tags, start)
+    start = reply_start_for(engine.tokenizer.reasoning, prompt_text, constrained)
+    return None if start is None else ReplyReasoning(engine.tokenizer.reasoning, start)
 
 
 def split_reply(split: ReplyReasoning, text: str) -> tuple[str | None, str]:

@@ -131,3 +131,18 @@ def _partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:size]):
             return size
     return 0
+
+
+def thinking_kwargs(tags: ReasoningTags | None, is_constrained: bool) -> dict:
+    """Template variables a reply needs: one a grammar holds from its first token (a JSON schema, a required tool
+    call) has no room for reasoning, so thinking is turned off where the template has the switch."""
+    return {THINKING_SWITCH: False} if is_constrained and tags is not None and tags.has_switch else {}
+
+
+def reply_start_for(tags: ReasoningTags | None, prompt_text: str, is_constrained: bool) -> str | None:
+    """Where the reply to this prompt starts (ReasoningTags.reply_start), or None when it is not split at all: the
+    model does not think, a grammar holds the reply (all of it is the answer), or the prompt closed the block."""
+    if tags is None or is_constrained:
+        return None
+    start = tags.reply_start(prompt_text)
+    return None if start == "answer" else start

@@ -10,20 +10,14 @@ the tests compare with what /v1/completions gives for the same prompt tokens. Th
 and raw HTTP, over the real routes in process (an httpx TestClient)."""
 from __future__ import annotations
 
-import copy
 import json
-from pathlib import Path
 
 import pytest
 from openai import OpenAI
 
-from engine import Engine, EngineConfig, EngineHandle
-from tests.conftest import build_tiny, sse_chunks, tiny_config
+from conftest import OPENING_TEMPLATE, QWEN3_TEMPLATE, sse_chunks, thinking_engine
+from engine import EngineHandle
 
-QWEN3_TEMPLATE = (Path(__file__).resolve().parent.parent / "fixtures" / "qwen3_chat_template.jinja").read_text()
-# DeepSeek-R1's generation prompt shape: the template opens the block, so the model's first words are reasoning.
-OPENING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}{# ends with </think> #}")
 HELLO = [{"role": "user", "content": "Hello"}]
 
 
@@ -34,18 +28,14 @@ def thinking_client(default_tokenizer, template: str):
 
     from api import RequestIDMiddleware, build_router, install_error_handlers
 
-    tokenizer = copy.deepcopy(default_tokenizer)
-    tokenizer.add_tokens(["<think>", "</think>"])  # as Qwen3 has them: added tokens, not special ones
-    tokenizer.chat_template = template
-    _, loaded = build_tiny(tiny_config("qwen3", vocab_size=len(tokenizer)), tokenizer)
-    engine = Engine(EngineConfig(dtype="float32"), loaded=loaded).start()
+    engine, think_id = thinking_engine(default_tokenizer, template)
     handle = EngineHandle()
     handle.set_engine(engine)
     app = FastAPI()
     install_error_handlers(app)
     app.add_middleware(RequestIDMiddleware)
     app.include_router(build_router(handle))
-    return engine, TestClient(app), tokenizer.convert_tokens_to_ids("<think>")
+    return engine, TestClient(app), think_id
 
 
 @pytest.fixture(scope="module")
