@@ -38,7 +38,7 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
         tools = chat_tools(body)
         messages = template_messages(body.messages)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        template_kwargs = reasoning.checked_template_kwargs(body.chat_template_kwargs)
+        template_kwargs = reasoning.checked_template_kwargs(engine, body.chat_template_kwargs)
         generation, split = await start_chat(context, engine, messages, params, tools,
                                              chat_format(body.response_format), response_id, request, template_kwargs)
         head = {"id": response_id, "created": int(time.time()), "model": context.model_name}

@@ -19,14 +19,6 @@ from api import function_tools
 from api.errors import OpenAIError
 from api.response_format import AnswerFormat
 
-# Names apply_chat_template (or Tern, for the template) sets itself: a client may not override them through kwargs.
-RESERVED_TEMPLATE_NAMES = frozenset({
-    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize",
-    "chat_template", "return_dict", "return_tensors", "return_assistant_tokens_mask", "tokenizer_kwargs", "padding",
-    "truncation", "max_length",
-})
-
-
 @dataclass(frozen=True)
 class ReplyReasoning:
     """How one request's reply is split: the model's tags, and where the reply starts (ReasoningTags.reply_start)."""
@@ -38,14 +30,14 @@ class ReplyReasoning:
         return self.tags.parser(self.start)
 
 
-def checked_template_kwargs(kwargs: Any, param: str = "chat_template_kwargs") -> dict:
+def checked_template_kwargs(engine: Engine, kwargs: Any, param: str = "chat_template_kwargs") -> dict:
     """The client's template variables: an object whose names do not clash with what the server passes."""
     if kwargs is None:
         return {}
     if not isinstance(kwargs, dict):
         raise OpenAIError(400, f"{param} must be an object of template variables", param=param, code="invalid_value")
     for name in kwargs:
-        if name in RESERVED_TEMPLATE_NAMES:
+        if name in engine.tokenizer.reserved_template_names:
             message = f"{param} may not set {name!r}: the server sets it (send it as the request field, if any)"
             raise OpenAIError(400, message, param=f"{param}.{name}", code="invalid_value")
     return dict(kwargs)

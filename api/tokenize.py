@@ -63,7 +63,7 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "send exactly one of `prompt` or `messages`", param="prompt")
         if body.messages is not None:
-            kwargs = checked_template_kwargs(body.chat_template_kwargs)
+            kwargs = checked_template_kwargs(engine, body.chat_template_kwargs)
             text = chat_text(engine, body.messages, body.add_generation_prompt, template_kwargs=kwargs)
             tokens = engine.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
         else:

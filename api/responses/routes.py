@@ -42,7 +42,7 @@ def add_routes(router: APIRouter, context: RouteContext, store: ResponseStore) -
         tools = response_tools(body)
         instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
         response_id = new_id("resp")
-        template_kwargs = checked_template_kwargs(body.chat_template_kwargs)
+        template_kwargs = checked_template_kwargs(engine, body.chat_template_kwargs)
         generation, split = await start_chat(context, engine, instructions + history + new_input, params, tools,
                                              text_format(body.text), response_id, request, template_kwargs)
         run = _Run(body, generation, history + new_input, context.model_name, store, tools.parses_calls, split)

@@ -1,6 +1,7 @@
 """Tokenizer-facing helpers shared by the API and the UI: chat templates, token text and bytes, EOS ids."""
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from functools import cached_property, lru_cache
 
@@ -68,6 +69,14 @@ class TokenizerView:
                         template_kwargs: dict | None = None) -> list[int]:
         """The prompt for the assistant's next turn, as token ids: what the API and the UI submit for a chat."""
         return self.encode(self.render_chat(messages, True, functions, template_kwargs), add_special_tokens=False)
+
+    @cached_property
+    def reserved_template_names(self) -> frozenset[str]:
+        """Names a caller's template variables may not take: apply_chat_template's own parameters (`return_dict`
+        would change what it returns) and the variables it sets itself."""
+        parameters = inspect.signature(self._hf.apply_chat_template).parameters
+        own = {name for name, p in parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+        return frozenset(own | {"messages", "add_generation_prompt", "tools", "documents"})
 
     @cached_property
     def renders_tools(self) -> bool:

@@ -130,6 +130,7 @@ def test_reasoning_sent_back_as_history_reaches_the_template_which_keeps_only_th
     ("enable_thinking", "chat_template_kwargs"),
     ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
     ({"messages": []}, "chat_template_kwargs.messages"),
+    ({"return_dict": True}, "chat_template_kwargs.return_dict"),  # would change what the renderer returns
 ])
 def test_bad_chat_template_kwargs_are_a_400_and_the_server_keeps_answering(qwen3, kwargs, param):
     client, _ = qwen3
