@@ -14,9 +14,9 @@ from engine import Engine, EngineError, SamplingParams
 from api import function_tools, reasoning
 from api.errors import OpenAIError
 from api.generation import Generation, Sample, until_disconnected
-from api.reasoning import ReplyReasoning
 from api.logprobs import chat_logprobs, visible_logprobs
 from api.protocol import ChatCompletionRequest, ChatMessage, template_messages
+from api.reasoning import ReplyReasoning
 from api.response_format import AnswerFormat, chat_format, grammar_for
 from api.bodies import (
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatMessageOut, streamed,
