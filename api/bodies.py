@@ -54,6 +54,9 @@ class ChatMessageOut(BaseModel):
     content: str | None = Field(description="null when the reply is only tool calls.")
     refusal: str | None = None
     tool_calls: list[ToolCallOut] | None = None
+    reasoning_content: str | None = Field(
+        None, description="Extension (vLLM's name): a thinking model's reasoning, from between <think> and </think>; "
+        "null when the reply has none. `content` then holds only the answer.")
 
 
 class ChatChoice(BaseModel):
@@ -87,6 +90,7 @@ class ToolCallDelta(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = Field(None, description="Extension: a piece of a thinking model's reasoning.")
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -11,11 +11,12 @@ from fastapi import APIRouter, Request
 
 from engine import Engine, EngineError, SamplingParams
 
-from api import function_tools
+from api import function_tools, reasoning
 from api.errors import OpenAIError
 from api.generation import Generation, Sample, until_disconnected
 from api.logprobs import chat_logprobs, visible_logprobs
 from api.protocol import ChatCompletionRequest, ChatMessage, template_messages
+from api.reasoning import ReplyReasoning
 from api.response_format import AnswerFormat, chat_format, grammar_for
 from api.bodies import (
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatMessageOut, streamed,
@@ -37,24 +38,31 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
         tools = chat_tools(body)
         messages = template_messages(body.messages)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generation = await start_chat(context, engine, messages, params, tools, chat_format(body.response_format),
-                                      response_id, request)
+        template_kwargs = reasoning.checked_template_kwargs(engine, body.chat_template_kwargs)
+        generation, split = await start_chat(context, engine, messages, params, tools,
+                                             chat_format(body.response_format), response_id, request, template_kwargs)
         head = {"id": response_id, "created": int(time.time()), "model": context.model_name}
         if body.stream:
-            return event_stream(_chunks(generation, head, body, engine, tools))
+            return event_stream(_chunks(generation, head, body, engine, tools, split))
         samples = await until_disconnected(request, generation.collect())
-        choices = [_choice(sample, bool(body.logprobs), engine, tools) for sample in samples]
+        choices = [_choice(sample, bool(body.logprobs), engine, tools, split) for sample in samples]
         return ChatCompletion(**head, choices=choices, usage=generation.usage())
 
 
 async def start_chat(context: RouteContext, engine: Engine, messages: list[dict], params: SamplingParams,
-                     tools: function_tools.Tools, answer: AnswerFormat, response_id: str, request: Request) -> Generation:
-    """A chat's generation, submitted: the prompt rendered with the tools it may call, the reply's grammar compiled.
-    Chat and the Responses API both start here."""
-    prompt_ids = prompt_ids_for(engine, messages, tools)
+                     tools: function_tools.Tools, answer: AnswerFormat, response_id: str, request: Request,
+                     template_kwargs: dict | None = None) -> tuple[Generation, ReplyReasoning | None]:
+    """A chat's generation, submitted: the prompt rendered with the tools it may call (and the client's template
+    variables), the reply's grammar compiled; with how its reply splits into reasoning and answer (None: it does
+    not). Chat and the Responses API both start here."""
+    constrained = reasoning.is_constrained(answer, tools)
+    kwargs = reasoning.render_kwargs(engine, template_kwargs or {}, constrained)
+    prompt_text = chat_text(engine, messages, True, tools, kwargs)
+    prompt_ids = engine.tokenizer.encode(prompt_text, add_special_tokens=False)
+    split = reasoning.reply_reasoning(engine, prompt_text, constrained)
     params = dataclasses.replace(params, grammar=await grammar_for(engine, answer, tools))
     try:
-        return Generation(engine, [prompt_ids], params, response_id, context.metrics, request.state.request_id)
+        return Generation(engine, [prompt_ids], params, response_id, context.metrics, request.state.request_id), split
     except EngineError as exc:
         if exc.param == "prompt":  # the engine saw a prompt; the client sent messages
             exc.param = "messages"
@@ -76,17 +84,11 @@ def chat_tools(body: ChatCompletionRequest) -> function_tools.Tools:
 
 
 def chat_text(engine: Engine, messages: list[ChatMessage] | list[dict], add_generation_prompt: bool = True,
-              tools: function_tools.Tools = function_tools.NO_TOOLS) -> str:
+              tools: function_tools.Tools = function_tools.NO_TOOLS, template_kwargs: dict | None = None) -> str:
     """Chat messages rendered through the model's chat template (what /tokenize shows)."""
     with _template_refusals():
-        return engine.tokenizer.render_chat(_as_dicts(messages), add_generation_prompt, tools.functions)
-
-
-def prompt_ids_for(engine: Engine, messages: list[ChatMessage] | list[dict],
-                   tools: function_tools.Tools = function_tools.NO_TOOLS) -> list[int]:
-    """The prompt the engine runs for these messages: the same function renders the UI's chats."""
-    with _template_refusals():
-        return engine.tokenizer.chat_prompt_ids(_as_dicts(messages), tools.functions)
+        return engine.tokenizer.render_chat(_as_dicts(messages), add_generation_prompt, tools.functions,
+                                            template_kwargs)
 
 
 def _as_dicts(messages: list[ChatMessage] | list[dict]) -> list[dict]:
@@ -103,21 +105,24 @@ def _template_refusals():
         raise OpenAIError(400, f"The chat template could not render these messages: {exc}", param="messages") from exc
 
 
-def _choice(sample: Sample, want_logprobs: bool, engine: Engine, tools: function_tools.Tools) -> ChatChoice:
+def _choice(sample: Sample, want_logprobs: bool, engine: Engine, tools: function_tools.Tools,
+            split: ReplyReasoning | None) -> ChatChoice:
     logprobs = None
     if want_logprobs:
         entries = visible_logprobs(sample.logprobs or [], sample.finish_reason, sample.stop_reason)
         logprobs = {"content": chat_logprobs(entries, engine.tokenizer), "refusal": None}
-    content, calls = sample.text, None
-    if tools.parses_calls:
+    content, calls, thought = sample.text, None, None
+    if split is not None:
+        thought, content = reasoning.split_reply(split, sample.text)
+    if tools.parses_calls:  # calls are read from the answer only, never from the reasoning
         reply = function_tools.ReplySplitter()
-        reply.feed(sample.text)
+        reply.feed(content)
         reply.finish()
         content = reply.text or (None if reply.calls else "")
         calls = [_tool_call(call) for call in reply.calls] or None
     return ChatChoice(
         index=sample.index,
-        message=ChatMessageOut(content=content, tool_calls=calls),
+        message=ChatMessageOut(content=content, tool_calls=calls, reasoning_content=thought),
         logprobs=logprobs,
         finish_reason=function_tools.finish_reason(sample.finish_reason, bool(calls)),
     )
@@ -128,13 +133,14 @@ def _tool_call(call: function_tools.CallOut) -> dict:
 
 
 async def _chunks(generation: Generation, head: dict, body: ChatCompletionRequest, engine: Engine,
-                  tools: function_tools.Tools) -> AsyncIterator[ChatCompletionChunk]:
+                  tools: function_tools.Tools, split: ReplyReasoning | None) -> AsyncIterator[ChatCompletionChunk]:
     """OpenAI's sequence per choice: a role delta, content (or tool-call) deltas, an empty delta with
     finish_reason; then the usage chunk (choices: []) when asked for, with usage null on every other chunk.
     Chunks are the models /openapi.json shows, sent with the fields they were built with (api/sse.py)."""
     base = {**head, "object": "chat.completion.chunk"}
     usage = {"usage": None} if body.include_usage else {}
     replies = {s.index: function_tools.ReplySplitter() for s in generation.samples} if tools.parses_calls else {}
+    thoughts = {s.index: split.parser() for s in generation.samples} if split is not None else {}
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None):
         choice = ChatChunkChoice(index=index, delta=ChatDelta(**delta), logprobs=logprobs, finish_reason=finish_reason)
@@ -149,10 +155,14 @@ async def _chunks(generation: Generation, head: dict, body: ChatCompletionReques
                 entries = visible_logprobs(out.logprobs or [], out.finish_reason, out.stop_reason)
                 if entries:
                     logprobs = {"content": chat_logprobs(entries, engine.tokenizer), "refusal": None}
-            delta = {"content": out.text} if out.text else {}
+            is_last = out.finish_reason is not None
+            thought, text = reasoning.feed_reply(thoughts.get(sample.index), out.text, is_last)
+            delta = {"content": text} if text else {}
             reply = replies.get(sample.index)
             if reply is not None:
-                delta = _reply_delta(reply, out.text, out.finish_reason is not None)
+                delta = _reply_delta(reply, text, is_last)
+            if thought:
+                delta = {"reasoning_content": thought, **delta}
             if delta or logprobs:
                 yield chunk(sample.index, delta or {"content": ""}, logprobs=logprobs)
             if out.finish_reason is not None:

@@ -116,6 +116,9 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant's calls, sent back as history.")
     tool_call_id: str | None = Field(None, description="On a `tool` message: the call it answers.")
+    reasoning_content: str | None = Field(
+        None, description="An assistant's reasoning, sent back as history: the chat template decides what to do with it "
+        "(Qwen3's keeps only the reasoning after the last user turn).")
 
 
 class FunctionDefinition(_Body):
@@ -154,6 +157,9 @@ class ChatCompletionRequest(SamplingRequest):
         None, description="Default: \"auto\" with tools, else \"none\". \"required\" and a named function hold the "
         "reply to valid calls by a grammar.")
     parallel_tool_calls: bool | None = Field(None, description="Default true: more than one call in a reply.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extension (vLLM's, llama-server's): more variables for the chat template, e.g. "
+        "{\"enable_thinking\": false} to turn a Qwen3 model's thinking off.")
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
@@ -223,6 +229,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
                 message_text = "a tool message needs the tool_call_id of the call it answers"
                 raise OpenAIError(400, message_text, param=f"messages[{i}].tool_call_id")
             entry["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content is not None and message.role == "assistant":
+            entry["reasoning_content"] = message.reasoning_content
         rendered.append(entry)
     return rendered
 

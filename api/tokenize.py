@@ -1,12 +1,15 @@
 """POST /tokenize, POST /detokenize, GET /tokenizer_info: the names lm-evaluation-harness's remote tokenizer probes."""
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.chat import chat_text
 from api.errors import OpenAIError
 from api.protocol import ChatMessage
+from api.reasoning import checked_template_kwargs
 from api.bodies import ERRORS
 from api.route_context import RouteContext
 
@@ -24,6 +27,8 @@ class TokenizeRequest(BaseModel):
         None, description="Default true for `prompt`; false for `messages` (the template writes them)."
     )
     add_generation_prompt: bool = Field(True, description="With `messages`: end with the assistant's turn opener.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="With `messages`: more variables for the chat template, as on chat completions.")
 
 
 class TokenizeResponse(BaseModel):
@@ -58,7 +63,8 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "send exactly one of `prompt` or `messages`", param="prompt")
         if body.messages is not None:
-            text = chat_text(engine, body.messages, body.add_generation_prompt)
+            kwargs = checked_template_kwargs(engine, body.chat_template_kwargs)
+            text = chat_text(engine, body.messages, body.add_generation_prompt, template_kwargs=kwargs)
             tokens = engine.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens

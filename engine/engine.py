@@ -94,6 +94,8 @@ class Engine:
                     self.model_name, "native" if self.loaded.is_native else "generic transformers path", self.device,
                     str(self.dtype).removeprefix("torch."), self.max_model_len, plan.num_blocks, self.config.block_size,
                     self.max_num_batched_tokens)
+        if self.tokenizer.reasoning is not None:
+            logger.info("thinking model: %s", self.tokenizer.reasoning.describe())
 
     def wait_for_compiled_decode(self, timeout_s: float | None = None) -> bool:
         """Block until compiling the decode step has ended (at once when it never started); True when decode

@@ -324,3 +324,20 @@ def tokenizer_fields(writer) -> int:
     writer.add_eos_token_id(scalar("tokenizer.ggml.eos_token_id"))
     writer.add_chat_template(bytes(reader.fields["tokenizer.chat_template"].parts[-1]).decode())
     return len(strings("tokenizer.ggml.tokens"))
+
+
+# Thinking models: Qwen3's real chat template (tests/fixtures/README.md says where it comes from), and the shape of
+# DeepSeek-R1's, whose generation prompt opens the <think> block so that the model's first words are reasoning.
+QWEN3_TEMPLATE = (ROOT / "tests" / "fixtures" / "qwen3_chat_template.jinja").read_text()
+OPENING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}{# ends with </think> #}")
+
+
+def thinking_engine(default_tokenizer, template: str) -> tuple[Engine, int]:
+    """(started engine, `<think>` token id): a tiny random Qwen3 on the default model's tokenizer with `<think>` and
+    `</think>` added as Qwen3 has them (added tokens, not special ones) and this chat template."""
+    tokenizer = copy.deepcopy(default_tokenizer)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = template
+    _, loaded = build_tiny(tiny_config("qwen3", vocab_size=len(tokenizer)), tokenizer)
+    return Engine(EngineConfig(dtype="float32"), loaded=loaded).start(), tokenizer.convert_tokens_to_ids("<think>")

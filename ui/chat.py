@@ -10,6 +10,7 @@ from functools import partial
 import gradio as gr
 
 from engine import FINISH_ABORT, EngineError, EngineHandle
+from engine.text.reasoning import reply_start_for, thinking_kwargs
 from ui.feedback import not_ready_message, ready_engine, report_error
 from ui.sampling import SamplingControls, build_sampling_controls, sampling_params
 from ui.schema import STREAMING, check_reply, compile_schema, render_json_reply
@@ -17,7 +18,10 @@ from ui.tokens import LEGEND_HTML, render_tokens_html, token_views
 
 # History: a list of turns {"role": "user" | "assistant", "content": str, "tokens": list[TokenView] | None}; an
 # assistant turn made under a JSON schema also has "json_check": JsonCheck (ui/schema.py). "content" is always the
-# raw text: the chatbot shows a rendering of it; the prompt is built from it, never from the rendered HTML.
+# raw text: the chatbot shows a rendering of it; the prompt is built from it, never from the rendered HTML. A thinking
+# model's reply keeps its reasoning apart in "reasoning" (engine/text/reasoning.py), shown folded above the answer.
+
+REASONING_TITLE = "Reasoning"
 
 INPUT_PLACEHOLDER = "Type a message and press Enter"
 BUSY_PLACEHOLDER = "Replying\u2026 wait for the reply to finish, or press Stop"
@@ -81,13 +85,21 @@ async def generate_reply(
         schema = await asyncio.to_thread(compile_schema, engine, schema_text)
         params = sampling_params(temperature, top_p, top_k, max_tokens, seed, stop,
                                  grammar=schema.grammar if schema else None)
-        stream = engine.submit(engine.tokenizer.chat_prompt_ids(build_messages(history, system_prompt)), params)
+        # As on the API (api/reasoning.py): a reply held to a schema renders with thinking off and is all answer.
+        tags = engine.tokenizer.reasoning
+        prompt = engine.tokenizer.render_chat(build_messages(history, system_prompt),
+                                              template_kwargs=thinking_kwargs(tags, bool(schema)))
+        start = reply_start_for(tags, prompt, bool(schema))
+        stream = engine.submit(engine.tokenizer.encode(prompt, add_special_tokens=False), params)
     except EngineError as exc:
         yield render_chatbot(history, session.show_probs), history, report_error(exc)
         return
     num_clears = session.num_clears
     ended = session.reply_ended = asyncio.Event()
     reply = {"role": "assistant", "content": "", "tokens": []}
+    thought = tags.parser(start) if start is not None else None
+    if thought is not None:
+        reply["reasoning"], reply["is_thinking"] = "", True
     if schema:
         reply["json_check"] = STREAMING
     history = [*history, reply]
@@ -98,7 +110,10 @@ async def generate_reply(
             # not write the cleared conversation back into the chatbot and the history.
             if session.num_clears != num_clears:
                 return
-            reply["content"] += out.text
+            if thought is None:
+                reply["content"] += out.text
+            else:
+                _add_reasoned(reply, thought, out.text, out.finish_reason is not None)
             reply["tokens"] += token_views(out.logprobs or [], engine.tokenizer.token_text, engine.tokenizer.eos_ids)
             if out.finish_reason == "length":
                 notice = f"The reply stopped at the limit of {params.max_tokens} new tokens (see Sampling settings)."
@@ -112,6 +127,17 @@ async def generate_reply(
     finally:
         stream.close()  # stopped early (Stop, a closed tab): the engine frees its KV blocks now
         ended.set()
+
+
+def _add_reasoned(reply: dict, thought, text: str, is_last: bool) -> None:
+    """A thinking model's text, split as it streams: reasoning to "reasoning", the answer to "content"."""
+    reasoning, answer = thought.feed(text)
+    if is_last:
+        more_reasoning, more_answer = thought.finish()
+        reasoning, answer = reasoning + more_reasoning, answer + more_answer
+    reply["reasoning"] += reasoning
+    reply["content"] += answer
+    reply["is_thinking"] = not is_last and not reply["content"]
 
 
 def drop_last_reply(history: list[dict], show_probs: bool) -> tuple:
@@ -158,16 +184,29 @@ async def clear_chat(session: ChatSession) -> tuple:
 
 
 def build_messages(history: list[dict], system_prompt: str) -> list[dict]:
-    """The messages the chat template sees: the system prompt (when given), then every turn as plain text."""
+    """The messages the chat template sees: the system prompt (when given), then every turn as plain text (a thinking
+    model's reasoning as `reasoning_content`, which its template keeps or drops)."""
     messages = [{"role": "system", "content": system_prompt}] if system_prompt and system_prompt.strip() else []
-    return messages + [{"role": turn["role"], "content": turn["content"]} for turn in history]
+    for turn in history:
+        message = {"role": turn["role"], "content": turn["content"]}
+        if turn.get("reasoning") is not None:
+            message["reasoning_content"] = turn["reasoning"]
+        messages.append(message)
+    return messages
 
 
 def render_chatbot(history: list[dict], show_probs: bool) -> list[dict]:
     """History -> chatbot messages; with show_probs, assistant turns become coloured tokens; a reply made under a
-    JSON schema becomes a JSON code block (or its coloured tokens) and a line saying whether it validated."""
+    JSON schema becomes a JSON code block (or its coloured tokens) and a line saying whether it validated. A thinking
+    model's reasoning is a folded message of its own above the answer (open, with a spinner, while it thinks)."""
     messages = []
     for turn in history:
+        if turn.get("reasoning"):
+            status = "pending" if turn.get("is_thinking") else "done"
+            messages.append({"role": "assistant", "content": turn["reasoning"],
+                             "metadata": {"title": REASONING_TITLE, "status": status}})
+            if not turn["content"] and not (show_probs and turn.get("tokens")):
+                continue  # no answer yet (or none: cut while thinking)
         content, check = turn["content"], turn.get("json_check")
         if show_probs and turn.get("tokens"):
             content = render_tokens_html(turn["tokens"], legend=False)

@@ -41,6 +41,21 @@ class FunctionCall(_Open):
     arguments: str = Field(description="JSON text, valid against the function's parameters.")
 
 
+class ReasoningText(_Open):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class Reasoning(_Open):
+    """A thinking model's reasoning (what it wrote between <think> and </think>), before the answer's message."""
+
+    id: str = Field(description="rs_...")
+    type: Literal["reasoning"] = "reasoning"
+    status: ItemStatus
+    summary: list[Any] = Field(default_factory=list, description="Always empty.")
+    content: list[ReasoningText]
+
+
 class InputTokensDetails(BaseModel):
     cached_tokens: int
 
@@ -77,7 +92,7 @@ class ResponseObject(_Open):
     instructions: str | None
     max_output_tokens: int | None
     model: str
-    output: list[OutputMessage | FunctionCall]
+    output: list[Reasoning | OutputMessage | FunctionCall]
     parallel_tool_calls: bool
     previous_response_id: str | None
     store: bool
@@ -98,12 +113,13 @@ class ResponseEvent(_Open):
     type: str = Field(description="response.created, response.in_progress, response.output_item.added, "
                       "response.content_part.added, response.output_text.delta, response.output_text.done, "
                       "response.content_part.done, response.function_call_arguments.delta, "
-                      "response.function_call_arguments.done, response.output_item.done, response.completed, "
+                      "response.function_call_arguments.done, response.reasoning_text.delta, response.reasoning_text.done, "
+                      "response.output_item.done, response.completed, "
                       "response.incomplete or response.failed")
     sequence_number: int = Field(description="0, 1, 2, ... in the order sent.")
     response: ResponseObject | None = None
     output_index: int | None = None
-    item: OutputMessage | FunctionCall | None = None
+    item: Reasoning | OutputMessage | FunctionCall | None = None
     item_id: str | None = None
     content_index: int | None = None
     part: OutputText | None = None

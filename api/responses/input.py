@@ -15,6 +15,7 @@ from api.response_format import AnswerFormat, invalid, schema_format, unsupporte
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
+_REASONING_PARTS = ("reasoning_text",)
 
 
 class ResponsesRequest(_Body):
@@ -46,6 +47,9 @@ class ResponsesRequest(_Body):
     metadata: dict[str, str] | None = None
     user: str | None = Field(None, description="Accepted; unused.")
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="Extension: reproducible sampling.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extension (vLLM's): more variables for the chat template, e.g. {\"enable_thinking\": "
+        "false} to turn a Qwen3 model's thinking off.")
 
     def to_sampling_params(self) -> SamplingParams:
         return SamplingParams(
@@ -67,7 +71,14 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
     for i, item in enumerate(items):
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
-            messages.append(_message(item, f"input[{i}]"))
+            message = _message(item, f"input[{i}]")
+            if message["role"] == "assistant" and _is_reasoning_only(messages):  # the reasoning before this answer
+                messages[-1]["content"] = message["content"]
+            else:
+                messages.append(message)
+        elif kind == "reasoning":  # sent back as history: the chat template decides what to do with it
+            text = _parts_text(item.get("content") or [], f"input[{i}].content", _REASONING_PARTS)
+            messages.append({"role": "assistant", "content": "", "reasoning_content": text})
         elif kind == "function_call":
             name, arguments, call_id = (_string(item, key, f"input[{i}]") for key in ("name", "arguments", "call_id"))
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
@@ -81,7 +92,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
             content = output if isinstance(output, str) else _parts_text(output, f"input[{i}].output")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
         else:
-            message = f"input items of type {kind!r} are not supported; send message, function_call or " \
+            message = f"input items of type {kind!r} are not supported; send message, reasoning, function_call or " \
                       "function_call_output items"
             raise OpenAIError(400, message, param=f"input[{i}].type", code="unsupported_parameter")
     return messages
@@ -89,7 +100,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
 
 def output_messages(output: list[dict]) -> list[dict]:
     """A response's output items as the assistant turn they were, for the conversation a later response continues."""
-    return input_messages([item for item in output if item["type"] in ("message", "function_call")]) if output else []
+    kept = [item for item in output if item["type"] in ("reasoning", "message", "function_call")]
+    return input_messages(kept) if kept else []
 
 
 def response_tools(request: ResponsesRequest) -> function_tools.Tools:
@@ -144,12 +156,18 @@ def _message(item: dict, where: str) -> dict:
     return {"role": role, "content": text}
 
 
-def _parts_text(parts: Any, where: str) -> str:
+def _is_reasoning_only(messages: list[dict]) -> bool:
+    last = messages[-1] if messages else {}
+    return last.get("role") == "assistant" and "reasoning_content" in last and not last["content"] \
+        and not last.get("tool_calls")
+
+
+def _parts_text(parts: Any, where: str, kinds: tuple[str, ...] = _TEXT_PARTS) -> str:
     if not isinstance(parts, list):
         raise OpenAIError(400, "content must be a string or a list of text parts", param=where, code="invalid_value")
     texts = []
     for j, part in enumerate(parts):
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             message = f"content parts of type {kind!r} are not supported; send input_text parts"
             raise OpenAIError(400, message, param=f"{where}[{j}]", code="unsupported_content_type")

@@ -1,5 +1,5 @@
-"""The Responses API's output: a reply's text and calls as output items (a `message` with `output_text`, or
-`function_call`s), the events that announce them in a stream, and the response object around them.
+"""The Responses API's output: a reply's text and calls as output items (a `reasoning` item with a thinking model's
+`reasoning_text`, then a `message` with `output_text`, or `function_call`s), the events that announce them in a stream, and the response object around them.
 
 One OutputBuilder serves both a stream and a whole answer: fed the same reply, it builds the same items, so the
 object after `response.completed` equals what a non-streamed request returns (ids aside).
@@ -45,6 +45,19 @@ class OutputBuilder:
                                "output_index": self._index(item), "delta": delta.arguments})
         return events
 
+    def add_reasoning(self, text: str) -> list[dict]:
+        """A piece of a thinking model's reasoning: it grows one `reasoning` item, which comes before the answer."""
+        if not text:
+            return []
+        events: list[dict] = []
+        if self._open is None or self._open["type"] != "reasoning":
+            events += self._close("completed") + self._open_reasoning()
+        item = self._open
+        item["content"][0]["text"] += text
+        events.append({"type": "response.reasoning_text.delta", "item_id": item["id"], "output_index": self._index(item),
+                       "content_index": 0, "delta": text})
+        return events
+
     def finish(self, status: str) -> list[dict]:
         """The reply ended ("completed", or "incomplete" when cut): close the last item. A reply with neither text
         nor calls still answers with a message, empty."""
@@ -62,6 +75,13 @@ class OutputBuilder:
             {"type": "response.content_part.added", "item_id": item["id"], "output_index": self._index(item),
              "content_index": 0, "part": dict(part)},
         ]
+
+    def _open_reasoning(self) -> list[dict]:
+        item = {"id": new_id("rs"), "type": "reasoning", "status": "in_progress", "summary": [],
+                "content": [{"type": "reasoning_text", "text": ""}]}
+        self.items.append(item)
+        self._open = item
+        return [{"type": "response.output_item.added", "output_index": self._index(item), "item": {**item, "content": []}}]
 
     def _open_call(self, call: function_tools.CallOut) -> list[dict]:
         item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id,
@@ -81,6 +101,12 @@ class OutputBuilder:
             done = {"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index,
                     "name": item["name"], "arguments": item["arguments"]}
             return [done, {"type": "response.output_item.done", "output_index": index, "item": dict(item)}]
+        if item["type"] == "reasoning":
+            part = item["content"][0]
+            done = {"type": "response.reasoning_text.done", "item_id": item["id"], "output_index": index,
+                    "content_index": 0, "text": part["text"]}
+            return [done, {"type": "response.output_item.done", "output_index": index,
+                           "item": {**item, "content": [dict(part)]}}]
         self._open = item  # for _text_event
         part = item["content"][0]
         events = [

@@ -18,6 +18,7 @@ from api.bodies import ERRORS
 from api.chat import start_chat
 from api.errors import OpenAIError, to_openai_error
 from api.generation import Generation, until_disconnected
+from api.reasoning import ReplyReasoning, checked_template_kwargs, feed_reply
 from api.responses.bodies import DeletedResponse, ResponseObject, streamed_events
 from api.responses.input import (
     ResponsesRequest, input_messages, output_messages, response_tools, text_format,
@@ -41,9 +42,10 @@ def add_routes(router: APIRouter, context: RouteContext, store: ResponseStore) -
         tools = response_tools(body)
         instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
         response_id = new_id("resp")
-        generation = await start_chat(context, engine, instructions + history + new_input, params, tools,
-                                      text_format(body.text), response_id, request)
-        run = _Run(body, generation, history + new_input, context.model_name, store, tools.parses_calls)
+        template_kwargs = checked_template_kwargs(engine, body.chat_template_kwargs)
+        generation, split = await start_chat(context, engine, instructions + history + new_input, params, tools,
+                                             text_format(body.text), response_id, request, template_kwargs)
+        run = _Run(body, generation, history + new_input, context.model_name, store, tools.parses_calls, split)
         if body.stream:
             return StreamingResponse(_framed(run.events()), media_type="text/event-stream", headers=HEADERS)
         await until_disconnected(request, generation.collect())
@@ -66,13 +68,14 @@ class _Run:
     """One response being generated: its output builder over the one sample's reply, and the object around it."""
 
     def __init__(self, body: ResponsesRequest, generation: Generation, conversation: list[dict], model: str,
-                 store: ResponseStore, parses_calls: bool) -> None:
+                 store: ResponseStore, parses_calls: bool, split: ReplyReasoning | None) -> None:
         self.body, self.generation, self.conversation, self.store = body, generation, conversation, store
         self.response_id = generation.response_id
         self.created_at = int(time.time())
         self.model = model
         self.reply = function_tools.ReplySplitter()
         self.parses_calls = parses_calls
+        self.thought = split.parser() if split is not None else None  # reasoning first, then the answer
         self.output = OutputBuilder()
         self.tools = [_tool_echo(t) for t in body.tools or []]
 
@@ -83,14 +86,17 @@ class _Run:
         return response_object(self.response_id, self.created_at, self.body, status, self.output.items, counts,
                                self.model, self.tools, error)
 
-    def feed(self, text: str) -> list[dict]:
+    def feed(self, text: str, is_last: bool = False) -> list[dict]:
+        thought, text = feed_reply(self.thought, text, is_last)
+        events = self.output.add_reasoning(thought)
         if not self.parses_calls:
-            return self.output.add(text, [])
-        return self.output.add(*self.reply.feed(text))
+            return events + self.output.add(text, [])
+        return events + self.output.add(*self.reply.feed(text))
 
     def end(self, finish_reason: str | None) -> tuple[list[dict], dict]:
         """The reply ended: its last events, and the finished response (stored, when the request says store)."""
-        events = self.output.add(*self.reply.finish()) if self.parses_calls else []
+        events = self.feed("", is_last=True)
+        events += self.output.add(*self.reply.finish()) if self.parses_calls else []
         status = "incomplete" if finish_reason == "length" else "completed"
         events += self.output.finish(status)
         response = self.response(status)

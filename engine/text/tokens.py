@@ -1,10 +1,12 @@
 """Tokenizer-facing helpers shared by the API and the UI: chat templates, token text and bytes, EOS ids."""
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from functools import cached_property, lru_cache
 
 from engine.errors import NoChatTemplateError
+from engine.text.reasoning import ReasoningTags, detect_reasoning
 from engine.text.tool_calls import Function, fallback_messages, native_messages
 
 # End-of-turn markers of common chat templates; a model whose vocabulary has one stops on it like on EOS.
@@ -21,6 +23,8 @@ class TokenizerView:
         self._byte_decoder = _byte_decoder() if self._is_byte_level() else None
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         self.token_bytes = lru_cache(maxsize=65536)(self._token_bytes)
+        # Decided once here: whether replies carry <think> reasoning to split off (engine/text/reasoning.py).
+        self.reasoning: ReasoningTags | None = detect_reasoning(tokenizer.get_vocab(), self.chat_template)
 
     @property
     def has_chat_template(self) -> bool:
@@ -46,23 +50,33 @@ class TokenizerView:
         return self._hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    functions: Sequence[Function] | None = None) -> str:
+                    functions: Sequence[Function] | None = None, template_kwargs: dict | None = None) -> str:
         """Chat messages (OpenAI's shape: assistant `tool_calls`, `tool` results) -> prompt text, with the functions
         the model may call. A template that renders tools gets them as transformers passes them; for one that does
         not, engine/text/tool_calls.py writes them (and earlier calls and results) as text. Tokenize the result with
-        add_special_tokens=False: the template has the BOS."""
+        add_special_tokens=False: the template has the BOS. template_kwargs are more variables for the template (e.g.
+        Qwen3's enable_thinking); the caller keeps them off the names apply_chat_template itself takes."""
         if not self.has_chat_template:
             raise NoChatTemplateError("this model's tokenizer has no chat template; use /v1/completions", "messages")
         if self.renders_tools:
             tools = [f.definition() for f in functions] if functions else None
-            return self._hf.apply_chat_template(
-                native_messages(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)
-        return self._hf.apply_chat_template(
-            fallback_messages(messages, functions), tokenize=False, add_generation_prompt=add_generation_prompt)
+            return self._hf.apply_chat_template(native_messages(messages), tools=tools, tokenize=False,
+                                                add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+        return self._hf.apply_chat_template(fallback_messages(messages, functions), tokenize=False,
+                                            add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
 
-    def chat_prompt_ids(self, messages: list[dict], functions: Sequence[Function] | None = None) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict], functions: Sequence[Function] | None = None,
+                        template_kwargs: dict | None = None) -> list[int]:
         """The prompt for the assistant's next turn, as token ids: what the API and the UI submit for a chat."""
-        return self.encode(self.render_chat(messages, True, functions), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, True, functions, template_kwargs), add_special_tokens=False)
+
+    @cached_property
+    def reserved_template_names(self) -> frozenset[str]:
+        """Names a caller's template variables may not take: apply_chat_template's own parameters (`return_dict`
+        would change what it returns) and the variables it sets itself."""
+        parameters = inspect.signature(self._hf.apply_chat_template).parameters
+        own = {name for name, p in parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+        return frozenset(own | {"messages", "add_generation_prompt", "tools", "documents"})
 
     @cached_property
     def renders_tools(self) -> bool:
