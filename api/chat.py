@@ -56,9 +56,7 @@ async def start_chat(context: RouteContext, engine: Engine, messages: list[dict]
     variables), the reply's grammar compiled; with how its reply splits into reasoning and answer (None: it does
     not). Chat and the Responses API both start here."""
     constrained = reasoning.is_constrained(answer, tools)
-    kwargs = reasoning.render_kwargs(engine, template_kwargs or {}, constrained)
-    prompt_text = chat_text(engine, messages, True, tools, kwargs)
-    prompt_ids = engine.tokenizer.encode(prompt_text, add_special_tokens=False)
+    prompt_text, prompt_ids = chat_prompt(engine, messages, tools, constrained, template_kwargs)
     split = reasoning.reply_reasoning(engine, prompt_text, constrained)
     params = dataclasses.replace(params, grammar=await grammar_for(engine, answer, tools))
     try:
@@ -81,6 +79,15 @@ def chat_tools(body: ChatCompletionRequest) -> function_tools.Tools:
             raise OpenAIError(400, f"tool_choice of type {choice.type!r} is not supported", param="tool_choice")
         choice, name = "function", choice.function.name
     return function_tools.resolve(definitions, choice, name, body.parallel_tool_calls)
+
+
+def chat_prompt(engine: Engine, messages: list[dict], tools: function_tools.Tools, constrained: bool,
+                template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+    """A chat's prompt as text and token ids, rendered as start_chat renders it (what Anthropic's count_tokens
+    counts): with the tools, the client's template variables, and thinking off for a constrained reply."""
+    kwargs = reasoning.render_kwargs(engine, template_kwargs or {}, constrained)
+    prompt_text = chat_text(engine, messages, True, tools, kwargs)
+    return prompt_text, engine.tokenizer.encode(prompt_text, add_special_tokens=False)
 
 
 def chat_text(engine: Engine, messages: list[ChatMessage] | list[dict], add_generation_prompt: bool = True,

@@ -29,6 +29,12 @@ class AnthropicToolUseBlock(_Open):
     input: dict[str, Any] = Field(description="Valid against the tool's input_schema (held by a grammar).")
 
 
+class AnthropicThinkingBlock(_Open):
+    type: Literal["thinking"] = "thinking"
+    thinking: str = Field(description="A thinking model's reasoning (between its <think> tags).")
+    signature: str = Field(description="Empty: Tern signs nothing.")
+
+
 class AnthropicUsage(BaseModel):
     input_tokens: int = Field(description="Prompt tokens computed for this request: those the prefix cache did "
                               "not hold (the prompt is input_tokens + cache_read_input_tokens).")
@@ -41,7 +47,7 @@ class AnthropicMessage(_Open):
     id: str = Field(description="msg_...")
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
-    content: list[AnthropicTextBlock | AnthropicToolUseBlock]
+    content: list[AnthropicThinkingBlock | AnthropicTextBlock | AnthropicToolUseBlock]
     model: str
     stop_reason: StopReason | None = Field(description="null only in message_start's message.")
     stop_sequence: str | None = Field(description="The stop sequence that ended the reply, if one did.")
@@ -59,9 +65,10 @@ class AnthropicStreamEvent(_Open):
                       "content_block_stop, message_delta, message_stop (or error)")
     message: AnthropicMessage | None = None
     index: int | None = None
-    content_block: AnthropicTextBlock | AnthropicToolUseBlock | None = None
-    delta: dict[str, Any] | None = Field(None, description="text_delta {text}, input_json_delta {partial_json}, or "
-                                         "on message_delta {stop_reason, stop_sequence}.")
+    content_block: AnthropicThinkingBlock | AnthropicTextBlock | AnthropicToolUseBlock | None = None
+    delta: dict[str, Any] | None = Field(None, description="text_delta {text}, thinking_delta {thinking}, "
+                                         "input_json_delta {partial_json}, or on message_delta {stop_reason, "
+                                         "stop_sequence}.")
     usage: dict[str, int] | None = None
 
 

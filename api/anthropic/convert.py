@@ -4,7 +4,7 @@ chat messages (OpenAI's shape, what engine/text/tokens.py renders) and function_
 
 One MessageBuilder serves a stream and a whole answer: fed the same reply it builds the same blocks, so the message
 the SDK's stream helper assembles equals the non-streamed one (ids aside). Blocks open and close in order, one at a
-time, which leaves room for a `thinking` block before the text once reasoning is parsed (open it with _open_block).
+time: a thinking model's reasoning (engine/text/reasoning.py splits it off) in a `thinking` block before the answer's.
 """
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from api import function_tools
 from api.anthropic.protocol import ContentBlockParam, CountTokensRequest, ToolResultPart
 from api.errors import OpenAIError
 
-# Blocks a client sends back from an earlier reply that carry nothing the prompt needs.
-_DROPPED = ("thinking", "redacted_thinking")
+# Blocks a client sends back from an earlier reply that carry nothing the prompt needs (a thinking block's text goes
+# back to the template as reasoning_content; a redacted one has none).
+_DROPPED = ("redacted_thinking",)
 _CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
 
 
@@ -44,6 +45,14 @@ def to_chat(body: CountTokensRequest) -> ChatTurns:
         else:
             messages.append(_assistant_turn(message.content, where))
     return ChatTurns(messages, _tools(body))
+
+
+def thinking_template_kwargs(thinking) -> dict:
+    """Anthropic's `thinking` as the chat template's switch: a thinking model thinks only when asked (`enabled`,
+    `adaptive`), as Claude does; without the field, or `disabled`, the template renders with thinking off where it
+    has that switch (Qwen3's enable_thinking). A template that always thinks still does: its reasoning then comes
+    back in a thinking block all the same. budget_tokens is not enforced: max_tokens bounds reasoning and answer."""
+    return {"enable_thinking": thinking is not None and thinking.type != "disabled"}
 
 
 def new_id(prefix: str) -> str:
@@ -88,6 +97,17 @@ class MessageBuilder:
                 self._partial_json[len(self.blocks) - 1] += delta.arguments
                 events.append(self._delta({"type": "input_json_delta", "partial_json": delta.arguments}))
         return events
+
+    def add_thinking(self, text: str) -> list[dict]:
+        """Reasoning of a thinking model, into a thinking block (before the answer's blocks: reasoning comes first).
+        Its signature stays empty: nothing here verifies one when the block comes back."""
+        if not text:
+            return []
+        events: list[dict] = []
+        if self._open is None or self._open["type"] != "thinking":
+            events += self._open_block({"type": "thinking", "thinking": "", "signature": ""})
+        self._open["thinking"] += text
+        return events + [self._delta({"type": "thinking_delta", "thinking": text})]
 
     def finish(self) -> list[dict]:
         """The reply ended: close the last block. A reply with nothing in it still has one text block, empty, so
@@ -152,10 +172,12 @@ def _user_turn(blocks: list[ContentBlockParam], where: str) -> list[dict]:
 
 
 def _assistant_turn(blocks: list[ContentBlockParam], where: str) -> dict:
-    texts, calls = [], []
+    texts, calls, thoughts = [], [], []
     for j, block in enumerate(blocks):
         if block.type == "text" and block.text is not None:
             texts.append(block.text)
+        elif block.type == "thinking":
+            thoughts.append(block.thinking or "")
         elif block.type == "tool_use" and block.id and block.name and block.input is not None:
             arguments = json.dumps(block.input, ensure_ascii=False)
             calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
@@ -164,6 +186,8 @@ def _assistant_turn(blocks: list[ContentBlockParam], where: str) -> dict:
     message: dict = {"role": "assistant", "content": "\n".join(texts)}
     if calls:
         message["tool_calls"] = calls
+    if thoughts:  # the template decides what to keep of it (Qwen3's drops reasoning before the last user turn)
+        message["reasoning_content"] = "\n".join(thoughts)
     return message
 
 

@@ -25,11 +25,13 @@ class ToolResultPart(_Body):
 
 
 class ContentBlockParam(_Body):
-    """One block of a message's content. user: `text`, `tool_result`; assistant: `text`, `tool_use` (and `thinking`
-    blocks sent back, which are dropped). Images, documents and server tools are refused."""
+    """One block of a message's content. user: `text`, `tool_result`; assistant: `text`, `tool_use`, `thinking`
+    (its text goes back to the template as reasoning; redacted_thinking is dropped). Images, documents and server
+    tools are refused."""
 
-    type: str = Field(description="text, tool_use, tool_result (thinking and redacted_thinking: accepted, dropped)")
+    type: str = Field(description="text, tool_use, tool_result, thinking (redacted_thinking: accepted, dropped)")
     text: str | None = Field(None, description="A text block's text.")
+    thinking: str | None = Field(None, description="A thinking block's reasoning.")
     id: str | None = Field(None, description="A tool_use block's id (toolu_...).")
     name: str | None = Field(None, description="A tool_use block's tool name.")
     input: dict[str, Any] | None = Field(None, description="A tool_use block's input object.")
@@ -63,7 +65,7 @@ class AnthropicToolChoice(_Body):
 
 class ThinkingConfig(_Body):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = Field(None, ge=0, description="Accepted; extended thinking is not generated yet.")
+    budget_tokens: int | None = Field(None, ge=0, description="Accepted; max_tokens bounds reasoning and answer.")
 
 
 class AnthropicMetadata(_Body):
@@ -82,7 +84,9 @@ class CountTokensRequest(_Body):
     tools: list[AnthropicTool] | None = Field(None, description="Tools the model may call; their definitions go into "
                                           "the prompt.")
     tool_choice: AnthropicToolChoice | None = Field(None, description="Default auto with tools.")
-    thinking: ThinkingConfig | None = Field(None, description="Accepted; extended thinking is not generated yet.")
+    thinking: ThinkingConfig | None = Field(None, description="A thinking model (Qwen3, ...) thinks when enabled "
+                                            "(its reasoning in a thinking block); absent or disabled: thinking off "
+                                            "where the chat template can turn it off.")
 
 
 class MessagesRequest(CountTokensRequest):

@@ -11,13 +11,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import FINISH_ABORT
+from engine.text.reasoning import ReasoningParser
 
-from api import function_tools
+from api import function_tools, reasoning
 from api.anthropic.bodies import ERRORS, CountTokensResponse, streamed_events
-from api.anthropic.convert import MessageBuilder, new_id, stop_reason, to_chat
+from api.anthropic.convert import MessageBuilder, new_id, stop_reason, thinking_template_kwargs, to_chat
 from api.anthropic.errors import error_body
 from api.anthropic.protocol import CountTokensRequest, MessagesRequest
-from api.chat import prompt_ids_for, start_chat
+from api.chat import chat_prompt, start_chat
 from api.errors import OpenAIError, shutting_down, to_openai_error
 from api.generation import Generation, until_disconnected
 from api.response_format import AnswerFormat
@@ -33,9 +34,10 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
         params = body.to_sampling_params()
         turns = to_chat(body)
         message_id = new_id("msg")
-        generation = await start_chat(context, engine, turns.messages, params, turns.tools, AnswerFormat(None),
-                                      message_id, request)
-        run = _Run(generation, context.model_name, params.stop, turns.tools.parses_calls)
+        generation, split = await start_chat(context, engine, turns.messages, params, turns.tools, AnswerFormat(None),
+                                             message_id, request, thinking_template_kwargs(body.thinking))
+        run = _Run(generation, context.model_name, params.stop, turns.tools.parses_calls,
+                   None if split is None else split.parser())
         if body.stream:
             return StreamingResponse(_framed(run.events()), media_type="text/event-stream", headers=HEADERS)
         samples = await until_disconnected(request, generation.collect())
@@ -48,7 +50,9 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
     async def count_tokens(body: CountTokensRequest) -> CountTokensResponse:
         engine = context.engine(body.model)
         turns = to_chat(body)
-        return CountTokensResponse(input_tokens=len(prompt_ids_for(engine, turns.messages, turns.tools)))
+        constrained = reasoning.is_constrained(AnswerFormat(None), turns.tools)
+        _, ids = chat_prompt(engine, turns.messages, turns.tools, constrained, thinking_template_kwargs(body.thinking))
+        return CountTokensResponse(input_tokens=len(ids))
 
 
 def add_unknown_route(router: APIRouter, methods: list[str]) -> None:
@@ -62,24 +66,34 @@ def add_unknown_route(router: APIRouter, methods: list[str]) -> None:
 class _Run:
     """One message being generated: the builder of its content blocks over the one sample's reply."""
 
-    def __init__(self, generation: Generation, model: str, stop_sequences: tuple[str, ...], parses_calls: bool):
+    def __init__(self, generation: Generation, model: str, stop_sequences: tuple[str, ...], parses_calls: bool,
+                 thoughts: ReasoningParser | None):
         self.generation, self.model, self.stop_sequences = generation, model, stop_sequences
+        self.thoughts = thoughts  # a thinking model's reply: its reasoning goes to a thinking block
         self.reply = function_tools.ReplySplitter() if parses_calls else None
         self.builder = MessageBuilder()
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
 
     def feed(self, text: str) -> list[dict]:
-        return self.builder.add(*self.reply.feed(text)) if self.reply else self.builder.add(text, [])
+        thought, answer = self.thoughts.feed(text) if self.thoughts else ("", text)
+        return self.builder.add_thinking(thought) + self._answer(answer)
 
     def end(self, finish_reason: str | None, matched: str | int | None) -> list[dict]:
         """The reply ended: its last blocks' events, then message_delta and message_stop."""
-        events = self.builder.add(*self.reply.finish()) if self.reply else []
+        events = []
+        if self.thoughts:
+            thought, answer = self.thoughts.finish()
+            events += self.builder.add_thinking(thought) + self._answer(answer)
+        events += self.builder.add(*self.reply.finish()) if self.reply else []
         events += self.builder.finish()
         self.stop_reason, self.stop_sequence = stop_reason(finish_reason, matched, self.stop_sequences,
                                                            self.builder.has_calls)
         delta = {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence}
         return events + [{"type": "message_delta", "delta": delta, "usage": self.usage()}, {"type": "message_stop"}]
+
+    def _answer(self, text: str) -> list[dict]:
+        return self.builder.add(*self.reply.feed(text)) if self.reply else self.builder.add(text, [])
 
     def usage(self) -> dict:
         # Anthropic counts cache reads apart: the prompt is input_tokens + cache_read_input_tokens.
