@@ -58,9 +58,9 @@ import torch
 from engine.errors import GrammarError
 from engine.text.tool_calls import ToolUse, grammar_source
 
-# JSON compile options (llguidance's JsonCompileOptions); a schema's own "x-guidance" key may override them.
-# Whitespace between tokens as the model likes it, up to 20 characters at a time (see the module docstring).
-_JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,20}"}
+# JSON compile options (llguidance's JsonCompileOptions, docs/json_schema.md); a schema's own "x-guidance" key may
+# override them. Compact JSON, separators without spaces, as OpenAI writes it (see the module docstring).
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 _MAX_ERROR_CHARS = 500
 
 

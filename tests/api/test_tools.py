@@ -125,6 +125,10 @@ def test_a_cut_call_is_length(client):
     body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "temperature": 0, "max_tokens": 12}
     [choice] = client.post(CHAT, json=body).json()["choices"]
     assert choice["finish_reason"] == "length"
+    # Never a call whose arguments are cut: the call stays text, streamed or not.
+    assert choice["message"].get("tool_calls") is None and choice["message"]["content"].startswith("<tool_call>")
+    content, calls, finish = _streamed_calls(sse_chunks(client.post(CHAT, json={**body, "stream": True})))
+    assert (content, calls, finish) == (choice["message"]["content"], [], "length")
 
 
 def test_history_with_calls_and_results_renders(client):
