@@ -88,20 +88,21 @@ def accepts(grammar, tokenizer, text: str) -> bool:
     ("use", "text", "allowed"),
     [
         (ToolUse((WEATHER, NOTHING), "required"), CALL, False),  # "days" is no property of get_weather
-        (ToolUse((WEATHER, NOTHING), "required"), '<tool_call>\n{"name":"get_weather","arguments":{"city":"P"}}\n'
-         '</tool_call>\n<tool_call>\n{"name":"ping","arguments":{}}\n</tool_call>', True),
-        # Compact JSON in the format's own layout only.
-        (ToolUse((WEATHER, NOTHING), "required"), '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>', False),
-        (ToolUse((WEATHER, NOTHING), "required"), '<tool_call>{"name":"ping","arguments":{}}</tool_call>', False),
+        (ToolUse((WEATHER, NOTHING), "required"), '<tool_call>\n{"name": "get_weather", "arguments": {"city": "P"}}\n'
+         '</tool_call>\n<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>', True),
+        # One line of JSON with json.dumps's separators, in the format's own layout only.
+        (ToolUse((WEATHER, NOTHING), "required"), '<tool_call>\n{"name":"ping","arguments":{}}\n</tool_call>', False),
+        (ToolUse((WEATHER, NOTHING), "required"), '<tool_call>\n{"name": "ping",\n"arguments": {}}\n</tool_call>', False),
+        (ToolUse((WEATHER, NOTHING), "required"), '<tool_call>{"name": "ping", "arguments": {}}</tool_call>', False),
         (ToolUse((WEATHER, NOTHING), "required"), "Sure! <tool_call>", False),  # required: calls only
-        (ToolUse((WEATHER, NOTHING), "required"), '<tool_call>\n{"name":"get_weather","arguments":{}}', False),
-        (ToolUse((WEATHER, NOTHING), "required"), '<tool_call>\n{"name":"other","arguments":{}}', False),
-        (ToolUse((WEATHER, NOTHING), "named", "ping"), '<tool_call>\n{"name":"get_weather"', False),
+        (ToolUse((WEATHER, NOTHING), "required"), '<tool_call>\n{"name": "get_weather", "arguments": {}}', False),
+        (ToolUse((WEATHER, NOTHING), "required"), '<tool_call>\n{"name": "other", "arguments": {}}', False),
+        (ToolUse((WEATHER, NOTHING), "named", "ping"), '<tool_call>\n{"name": "get_weather"', False),
         (ToolUse((WEATHER, NOTHING), "required", parallel=False),
-         '<tool_call>\n{"name":"ping","arguments":{}}\n</tool_call>\n<tool_call>', False),
+         '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>\n<tool_call>', False),
         (ToolUse((WEATHER, NOTHING)), "Any text at all, then <tool_call>", True),  # auto
-        (ToolUse((WEATHER, NOTHING)), 'Text <tool_call>\n{"name":"nope"', False),  # auto: once opened, a real call
-        (ToolUse((WEATHER, NOTHING)), 'Text <tool_call>\n{"name":"ping","arguments":{}}\n</tool_call> more', True),
+        (ToolUse((WEATHER, NOTHING)), 'Text <tool_call>\n{"name": "nope"', False),  # auto: once opened, a real call
+        (ToolUse((WEATHER, NOTHING)), 'Text <tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call> more', True),
     ],
 )
 def test_the_grammar_lets_through_valid_calls_only(grammars, default_tokenizer, use, text, allowed):
@@ -111,7 +112,7 @@ def test_the_grammar_lets_through_valid_calls_only(grammars, default_tokenizer, 
 @pytest.mark.parametrize("use", [ToolUse((WEATHER, NOTHING), "required"), ToolUse((WEATHER, NOTHING), "named", "ping"),
                                  ToolUse((WEATHER, NOTHING), "required", parallel=False)])
 def test_the_reply_may_end_right_after_each_call(grammars, default_tokenizer, use):
-    call = '<tool_call>\n{"name":"ping","arguments":{}}\n</tool_call>'
+    call = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
     for num_calls in (1, 2) if use.parallel and use.mode == "required" else (1,):
         matcher = grammars.tool_calls(use).matcher()
         assert all(matcher.accept(t) for t in default_tokenizer.encode("\n".join([call] * num_calls)))
