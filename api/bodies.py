@@ -77,7 +77,8 @@ class ChatCompletion(BaseModel):
 
 class FunctionCallDelta(BaseModel):
     name: str | None = Field(None, description="On a call's first delta.")
-    arguments: str | None = Field(None, description="A fragment of the arguments' JSON text.")
+    arguments: str | None = Field(None, description="A fragment of the arguments' JSON text (Tern sends a call whole, "
+                                  "in one delta, once its arguments are complete).")
 
 
 class ToolCallDelta(BaseModel):

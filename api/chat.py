@@ -183,21 +183,14 @@ async def _chunks(generation: Generation, head: dict, body: ChatCompletionReques
 
 def _reply_delta(reply: function_tools.ReplySplitter, text: str, is_last: bool) -> dict:
     """A chunk's delta from one engine output: its content, and its tool calls in OpenAI's stream shape (index, id,
-    type and name on a call's first delta, argument fragments after)."""
+    type, name and arguments). A call arrives whole, once its arguments are complete: a stream never announces a call
+    that max_tokens then cuts (engine/text/tool_call_parser.py)."""
     content, calls = reply.feed(text)
     if is_last:
         more_content, more_calls = reply.finish()
         content, calls = content + more_content, calls + more_calls
     delta: dict = {"content": content} if content else {}
-    call_deltas = []
-    for call, news in calls:
-        if news.name is not None:
-            function = {"name": call.name, "arguments": news.arguments}
-            call_deltas.append({"index": news.index, "id": call.id, "type": "function", "function": function})
-        elif call_deltas and call_deltas[-1]["index"] == news.index:  # one delta per call per chunk
-            call_deltas[-1]["function"]["arguments"] += news.arguments
-        else:
-            call_deltas.append({"index": news.index, "function": {"arguments": news.arguments}})
-    if call_deltas:
-        delta["tool_calls"] = call_deltas
+    if calls:
+        delta["tool_calls"] = [{"index": news.index, "id": call.id, "type": "function",
+                                "function": {"name": call.name, "arguments": news.arguments}} for call, news in calls]
     return delta

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 
 from engine import Engine, RequestOutput
 
+from api.errors import OpenAIError
 from api.generation import Generation, Sample, until_disconnected
 from api.logprobs import completion_logprobs, merge_logprobs, text_offsets
 from api.protocol import CompletionRequest
@@ -31,8 +32,10 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
         engine = context.engine(body.model)
         params = body.to_sampling_params()
         prompts = body.prompts()
-        # Text is tokenized as the engine would (with the tokenizer's special tokens); token ids are used as given.
-        prompt_ids = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        if body.suffix is not None:
+            prompt_ids = _fill_in_middle_prompts(engine, prompts, body.suffix, bool(body.echo))
+        else:  # text is tokenized as the engine would (with the tokenizer's special tokens); token ids used as given
+            prompt_ids = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
         params = dataclasses.replace(params, grammar=await grammar_for(engine, chat_format(body.response_format)))
         response_id = f"cmpl-{uuid.uuid4().hex}"
         generation = Generation(engine, prompt_ids, params, response_id, context.metrics, request.state.request_id)
@@ -42,6 +45,20 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
             return event_stream(_chunks(generation, choices, head, body.include_usage))
         samples = await until_disconnected(request, generation.collect())
         return TextCompletion(**head, choices=[choices.full(s) for s in samples], usage=generation.usage())
+
+
+def _fill_in_middle_prompts(engine: Engine, prompts: list, suffix: str, echo: bool) -> list[list[int]]:
+    """Each prompt as the prefix of a fill-in-the-middle prompt (engine/text/fill_in_middle.py): the completion is
+    the text between it and the suffix. echo is refused beside it (a choice: OpenAI's notes here say nothing, vLLM
+    refuses suffix altogether): the echoed prompt would read as if the completion ended the text, the suffix nowhere."""
+    fim = engine.tokenizer.fim_tokens
+    if fim is None:
+        message = ("suffix (fill-in-the-middle) needs a model whose vocabulary has FIM tokens (<fim_prefix>, "
+                   "<fim_suffix>, <fim_middle> or <|fim_prefix|>, ...); this model has none")
+        raise OpenAIError(400, message, param="suffix", code="unsupported_parameter")
+    if echo:
+        raise OpenAIError(400, "echo cannot be combined with suffix", param="echo", code="unsupported_parameter")
+    return [engine.tokenizer.fim_prompt_ids(fim, prompt, suffix) for prompt in prompts]
 
 
 class _Choices:

@@ -5,7 +5,9 @@ sample's reply split into text and calls as it streams.
 What OpenAI's contract asks and Tern follows: `tool_choice` defaults to "auto" with tools and "none" without;
 "none" is text (the definitions are then left out of the prompt); "required" is one call or more, a named function
 exactly one call of it; `parallel_tool_calls: false` is at most one call; arguments are the JSON text the model
-wrote; a reply with calls has `finish_reason: "tool_calls"` (a cut one keeps "length").
+wrote (compact, under the grammar); a reply with calls has `finish_reason: "tool_calls"`. A reply that max_tokens
+cuts keeps "length": the calls completed before the cut are returned, the cut call stays text (`content`), and a
+stream sends each call only once its arguments are complete, so no client sees arguments that are not JSON.
 """
 from __future__ import annotations
 
@@ -149,11 +151,8 @@ class ReplySplitter:
     def _named(self, content: str, deltas: list[CallDelta]) -> tuple[str, list[tuple[CallOut, CallDelta]]]:
         out = []
         for delta in deltas:
-            if delta.name is not None:
-                self.calls.append(CallOut(new_call_id(), delta.name))
-            call = self.calls[delta.index]
-            call.arguments += delta.arguments
-            out.append((call, delta))
+            self.calls.append(CallOut(new_call_id(), delta.name, delta.arguments))
+            out.append((self.calls[delta.index], delta))
         return content, out
 
 

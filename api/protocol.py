@@ -186,12 +186,12 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="Logprobs of each token plus this many alternatives (0 to 20)."
     )
-    suffix: str | None = Field(None, description="Not supported: must be absent.")
+    suffix: str | None = Field(
+        None, description="Text that comes after the completion (fill-in-the-middle): only for models whose vocabulary "
+        "has FIM tokens (<fim_prefix>... or <|fim_prefix|>...); not with echo.")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="Accepted only when equal to n.")
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.suffix:
-            raise OpenAIError(400, "suffix is not supported by this server", param="suffix", code="unsupported_parameter")
         if self.best_of is not None and self.best_of != (self.n or 1):
             message = "best_of is not supported unless it equals n"
             raise OpenAIError(400, message, param="best_of", code="unsupported_parameter")

@@ -36,8 +36,7 @@ class OutputBuilder:
             events.append(self._text_event("response.output_text.delta", delta=content))
             self._open["content"][0]["text"] += content
         for call, delta in calls:
-            if delta.name is not None:
-                events += self._close("completed") + self._open_call(call)
+            events += self._close("completed") + self._open_call(call)  # a call arrives whole (tool_call_parser.py)
             item = self._calls[call.id]
             if delta.arguments:
                 item["arguments"] += delta.arguments

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from functools import cached_property, lru_cache
 
 from engine.errors import NoChatTemplateError
+from engine.text.fill_in_middle import FimTokens, find_fim_tokens
 from engine.text.reasoning import ReasoningTags, detect_reasoning
 from engine.text.tool_calls import Function, fallback_messages, native_messages
 
@@ -91,6 +92,16 @@ class TokenizerView:
         except Exception:  # a template that chokes on tools does not render them
             return False
         return with_tool != self._hf.apply_chat_template(probe, tokenize=False)
+
+    @cached_property
+    def fim_tokens(self) -> FimTokens | None:
+        """This vocabulary's fill-in-the-middle tokens (engine/text/fill_in_middle.py), None where it has none."""
+        return find_fim_tokens(self._hf.get_vocab())
+
+    def fim_prompt_ids(self, fim: FimTokens, prefix: str | list[int], suffix: str) -> list[int]:
+        """The prompt that asks for the text between prefix (text, or token ids used as given) and suffix."""
+        prefix_ids = self.encode(prefix, add_special_tokens=False) if isinstance(prefix, str) else prefix
+        return fim.prompt_ids(prefix_ids, self.encode(suffix, add_special_tokens=False))
 
     def _token_text(self, token_id: int) -> str:
         return self._hf.decode([token_id], skip_special_tokens=False)

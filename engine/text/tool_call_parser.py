@@ -1,5 +1,9 @@
 """Reading a reply back into text and tool calls as it streams, in the format engine/text/tool_calls.py defines (a
-call's JSON between tags), as early as each piece is certain."""
+call's JSON between tags), as early as each piece is certain.
+
+A call is certain once its arguments' JSON value is complete (and parses): only then does it go out, name and
+arguments in one CallDelta. A call that max_tokens cuts before that point is text, so a stream never announces a
+call that then breaks off, and no client ever gets arguments that are not JSON."""
 from __future__ import annotations
 
 import json
@@ -11,10 +15,10 @@ from engine.text.tool_calls import CLOSE_TAG, OPEN_TAG
 
 @dataclass
 class CallDelta:
-    """News of one call: `name` on its first delta only, then fragments of its arguments' JSON text."""
+    """News of one call: its name and its whole arguments' JSON text (the parser sends each call once, complete)."""
 
     index: int
-    name: str | None
+    name: str
     arguments: str
 
 
@@ -32,9 +36,9 @@ class ReplyParser:
     """Splits a reply, fed in text deltas, into its text and its calls, as early as each is certain.
 
     Text that could still be the start of an opening tag is held back, and so is whitespace, until text that is
-    neither follows: whitespace around calls is layout, not content. Once a call's name is known its first
-    CallDelta goes out; its arguments follow as they arrive, up to the end of their JSON value. Feeding the
-    whole reply at once gives the same text and calls as feeding it in any pieces.
+    neither follows: whitespace around calls is layout, not content. A call is held back until its arguments' JSON
+    value is complete; then its CallDelta goes out. Feeding the whole reply at once gives the same text and calls
+    as feeding it in any pieces.
     """
 
     def __init__(self) -> None:
@@ -43,6 +47,10 @@ class ReplyParser:
         self._pending = ""  # text held back: outside a call, or the part of a call not read yet
         self._in_call = False
         self._scanner: _ValueScanner | None = None  # set once a call's head is read: where its arguments end
+        self._call_text = ""  # the current call's text read so far (after its opening tag): text again if it is cut
+        self._call_name = ""
+        self._call_arguments = ""
+        self._call_is_text = False  # its arguments ended but are no JSON (no grammar held them): text once closed
         self._after_call = False  # whitespace right after a closing tag is layout
         self._content = ""
         self._deltas: list[CallDelta] = []
@@ -56,10 +64,11 @@ class ReplyParser:
 
     def finish(self) -> tuple[str, list[CallDelta]]:
         """The reply ended: release what was held. Trailing whitespace is content only in a reply without calls.
-        A call cut short (max_tokens) keeps the arguments it had; one cut before its name is text."""
+        A call cut short (max_tokens) before its arguments were complete is text; one cut after them (before its
+        closing tag) was already sent."""
         if self._in_call:
-            if self._scanner is None:
-                self._content += OPEN_TAG + self._pending
+            if self._scanner is None or not self._scanner.done or self._call_is_text:
+                self._content += OPEN_TAG + self._call_text + self._pending
         else:
             self._content += self._pending.rstrip() if self.calls else self._pending
         self._pending = ""
@@ -93,25 +102,39 @@ class ReplyParser:
             match = _HEAD.match(self._pending)
             if match is None:
                 return self._read_whole_call()
-            self.calls.append(ParsedCall(json.loads(match.group(1)), ""))
-            self._deltas.append(CallDelta(len(self.calls) - 1, self.calls[-1].name, ""))
-            self._pending = self._pending[match.end():]
+            self._call_name = json.loads(match.group(1))
+            self._take(match.end())
             self._scanner = _ValueScanner()
         if not self._scanner.done:
             if not self._scanner.started:  # whitespace before the value is not part of the arguments' text
-                self._pending = self._pending.lstrip()
+                self._take(len(self._pending) - len(self._pending.lstrip()))
             taken = self._scanner.feed(self._pending)
-            fragment, self._pending = self._pending[:taken], self._pending[taken:]
-            if fragment:
-                self.calls[-1].arguments += fragment
-                self._deltas.append(CallDelta(len(self.calls) - 1, None, fragment))
+            self._call_arguments += self._pending[:taken]
+            self._take(taken)
             if not self._scanner.done:
                 return False
+            self._send_call()
         end = self._pending.find(CLOSE_TAG)
         if end == -1:
             return False
+        if self._call_is_text:
+            self._content += OPEN_TAG + self._call_text + self._pending[:end] + CLOSE_TAG
         self._end_call(end)
         return True
+
+    def _take(self, length: int) -> None:
+        """Move the first `length` characters of pending text into the current call's text."""
+        self._call_text += self._pending[:length]
+        self._pending = self._pending[length:]
+
+    def _send_call(self) -> None:
+        try:
+            json.loads(self._call_arguments)
+        except json.JSONDecodeError:  # only without a grammar: the text stays text
+            self._call_is_text = True
+            return
+        self.calls.append(ParsedCall(self._call_name, self._call_arguments))
+        self._deltas.append(CallDelta(len(self.calls) - 1, self._call_name, self._call_arguments))
 
     def _read_whole_call(self) -> bool:
         """A body whose name does not come first (a grammar never lets that happen): once the closing tag is
@@ -127,7 +150,7 @@ class ReplyParser:
         if isinstance(value, dict) and isinstance(value.get("name"), str) and "arguments" in value:
             index = len(self.calls)
             self.calls.append(ParsedCall(value["name"], json.dumps(value["arguments"], ensure_ascii=False)))
-            self._deltas += [CallDelta(index, value["name"], ""), CallDelta(index, None, self.calls[-1].arguments)]
+            self._deltas.append(CallDelta(index, value["name"], self.calls[-1].arguments))
         else:
             self._content += OPEN_TAG + body + CLOSE_TAG
         self._end_call(end)
@@ -136,6 +159,7 @@ class ReplyParser:
     def _end_call(self, close_at: int) -> None:
         self._pending = self._pending[close_at + len(CLOSE_TAG):]
         self._in_call, self._scanner, self._after_call = False, None, True
+        self._call_text, self._call_name, self._call_arguments, self._call_is_text = "", "", "", False
 
 
 def _tag_prefix_length(text: str) -> int:

@@ -67,22 +67,23 @@ def grammar_source(tool_use: ToolUse, answer_schema: dict | None = None, json_op
     if tool_use.mode == "named":
         functions = tuple(f for f in functions if f.name == tool_use.name)
     call_schema = {"anyOf": [_call_schema(f) for f in functions]}
-    # Whitespace around a call is bounded: unbounded, a weak model can spend its whole budget on newlines.
+    # One layout, the format's own: a call's JSON on its own line between the tags, calls one newline apart, and
+    # nothing after the last one, so that the end-of-sequence token is allowed right after each closing tag.
     rules = [
         "%llguidance {}",
-        'WS: /[ \\t\\n]{0,4}/',
         f"call_json: %json {embedded(call_schema)}",
+        f'call_body: "\\n" call_json "\\n" {json.dumps(CLOSE_TAG)}',
     ]
     if tool_use.mode == "auto" and answer_schema is None:
         rules += [
             "TEXT: /(.|\\n)*/",
             f"call_head[lazy]: TEXT {json.dumps(OPEN_TAG)}",
-            f"tool_call: call_head WS call_json WS {json.dumps(CLOSE_TAG)}",
+            "tool_call: call_head call_body",
             "start: tool_call* TEXT" if tool_use.parallel else "start: tool_call | TEXT",
         ]
     else:
-        rules.append(f"tool_call: {json.dumps(OPEN_TAG)} WS call_json WS {json.dumps(CLOSE_TAG)}")
-        calls = "WS (tool_call WS)+" if tool_use.parallel and tool_use.mode != "named" else "WS tool_call WS"
+        rules.append(f"tool_call: {json.dumps(OPEN_TAG)} call_body")
+        calls = 'tool_call ("\\n" tool_call)*' if tool_use.parallel and tool_use.mode != "named" else "tool_call"
         if tool_use.mode == "auto":  # with an answer schema
             rules += [f"answer: %json {embedded(answer_schema)}", f"start: {calls} | answer"]
         else:
@@ -91,8 +92,8 @@ def grammar_source(tool_use: ToolUse, answer_schema: dict | None = None, json_op
 
 
 def _call_schema(function: Function) -> dict:
-    # Properties are generated in the order listed: the name first, so a stream can announce the call before its
-    # arguments arrive.
+    # Properties are generated in the order listed: the name first, then the arguments, whose end the parser finds
+    # without parsing (engine/text/tool_call_parser.py).
     return {
         "type": "object",
         "properties": {"name": {"const": function.name}, "arguments": function.parameters},

@@ -67,7 +67,6 @@ def test_the_four_prompt_shapes(prompt, expected):
         (lambda: chat(top_logprobs=3), "top_logprobs"),
         (lambda: chat(stream_options={"include_usage": True}), "stream_options"),
         (lambda: chat(logit_bias={"not-a-token": 1}), "logit_bias"),
-        (lambda: completion(suffix="tail"), "suffix"),
         (lambda: completion(best_of=3), "best_of"),
     ],
 )

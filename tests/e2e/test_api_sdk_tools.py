@@ -79,6 +79,49 @@ def test_required_tool_calls_whole_and_streamed(client, model, temperature):
     assert [(name, json.loads(arguments)) for name, arguments in streamed.values()] == calls
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_ends_with_its_calls_within_a_small_budget(client, model, stream):
+    """What the OpenAI Agents SDK sends (parallel calls allowed, max_tokens 80): the reply ends after its calls with
+    "tool_calls", every call's arguments valid, none cut."""
+    options = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=80)
+    if stream:
+        finish, calls = _streamed(client.chat.completions.create(**options, stream=True))
+    else:
+        [choice] = client.chat.completions.create(**options).choices
+        finish, calls = choice.finish_reason, [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert finish == "tool_calls"
+    for name, arguments in calls:
+        assert name == "get_weather"
+        jsonschema.validate(json.loads(arguments), WEATHER)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_max_tokens_stays_text(client, model, stream):
+    options = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=22)
+    if stream:
+        chunks = list(client.chat.completions.create(**options, stream=True))
+        assert not any(c.choices[0].delta.tool_calls for c in chunks)  # no call announced that then broke off
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        [choice] = client.chat.completions.create(**options).choices
+        assert choice.message.tool_calls is None
+        content, finish = choice.message.content, choice.finish_reason
+    assert finish == "length"
+    assert content.startswith('<tool_call>\n{"name":') and '"arguments":' in content  # cut inside the arguments
+
+
+def _streamed(chunks) -> tuple[str | None, list[tuple[str, str]]]:
+    finish, calls = None, {}
+    for chunk in chunks:
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            if delta.id is not None:
+                calls[delta.index] = [delta.function.name, ""]
+            calls[delta.index][1] += delta.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return finish, [tuple(call) for call in calls.values()]
+
+
 def test_named_function_and_parse_with_a_pydantic_tool(client, model):
     completion = client.chat.completions.parse(
         model=model, messages=ASK, tools=[openai.pydantic_function_tool(GetWeather)],

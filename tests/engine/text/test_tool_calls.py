@@ -26,10 +26,8 @@ def parse(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]], list[
         delta, calls = parser.feed(piece) if piece is not None else parser.finish()
         content += delta
         for call in calls:
-            if call.name is not None:
-                assert call.index == len(streamed)  # a call's name comes once, first
-                streamed[call.index] = [call.name, ""]
-            streamed[call.index][1] += call.arguments
+            assert call.index == len(streamed)  # each call comes once, whole
+            streamed[call.index] = [call.name, call.arguments]
     assert content == parser.text
     return content, [tuple(c) for c in streamed.values()], [(c.name, c.arguments) for c in parser.calls]
 
@@ -42,8 +40,18 @@ def parse(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]], list[
          [("get_weather", '{"city": "Pa}ris \\"x\\"", "days": [1, {"a": 2}]}'),
           ("ping", '{"city": "Pa}ris \\"x\\"", "days": [1, {"a": 2}]}')]),
         (f"{CALL} and after", "and after", [("get_weather", '{"city": "Pa}ris \\"x\\"", "days": [1, {"a": 2}]}')]),
-        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', "",  # cut by max_tokens
-         [("get_weather", '{"city": "Pa')]),
+        # Cut by max_tokens inside the arguments: text, never a call with arguments that are no JSON.
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
+         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', []),
+        # Cut after the arguments: a call (its arguments are whole).
+        ('<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool', "",
+         [("get_weather", '{"city":"Paris"}')]),
+        # A second call cut: the first is a call, the cut one text.
+        (f'{CALL}\n<tool_call>\n{{"name":"ping","arguments":{{"a', '<tool_call>\n{"name":"ping","arguments":{"a',
+         [("get_weather", '{"city": "Pa}ris \\"x\\"", "days": [1, {"a": 2}]}')]),
+        # Arguments that end but are no JSON (only without a grammar): text.
+        ('<tool_call>\n{"name": "f", "arguments": {nope}}\n</tool_call>',
+         '<tool_call>\n{"name": "f", "arguments": {nope}}\n</tool_call>', []),
         ('<tool_call>\n{"na', '<tool_call>\n{"na', []),  # cut before a name: nothing callable, so text
         ('<tool_call>{"arguments": {}, "name": "ping"}</tool_call>', "", [("ping", "{}")]),  # name last: taken whole
         ("<tool_call>not a call</tool_call>", "<tool_call>not a call</tool_call>", []),
@@ -58,14 +66,12 @@ def test_the_parser_gives_the_same_reply_however_it_is_cut(text, content, calls)
         assert parse(text, cuts) == whole
 
 
-def test_arguments_stream_before_the_call_ends():
+def test_a_call_goes_out_once_its_arguments_are_complete():
     parser = ReplyParser()
-    _, first = parser.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
-    assert [(d.name, d.arguments) for d in first] == [("get_weather", ""), (None, '{"city": "Pa')]
-    _, more = parser.feed('ris"}')
-    assert [(d.name, d.arguments) for d in more] == [(None, 'ris"}')]
-    _, rest = parser.feed("}\n</tool_call>")
-    assert rest == []
+    assert parser.feed('<tool_call>\n{"name":"get_weather","arguments":{"city":"Pa') == ("", [])
+    _, calls = parser.feed('ris"}')
+    assert [(d.name, d.arguments) for d in calls] == [("get_weather", '{"city":"Paris"}')]
+    assert parser.feed("}\n</tool_call>") == ("", [])
 
 
 @pytest.fixture(scope="module")
@@ -83,20 +89,34 @@ def accepts(grammar, tokenizer, text: str) -> bool:
     [
         (ToolUse((WEATHER, NOTHING), "required"), CALL, False),  # "days" is no property of get_weather
         (ToolUse((WEATHER, NOTHING), "required"), '<tool_call>\n{"name": "get_weather", "arguments": {"city": "P"}}\n'
-         '</tool_call>\n<tool_call>{"name": "ping", "arguments": {}}</tool_call>', True),
+         '</tool_call>\n<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>', True),
+        # One line of JSON with json.dumps's separators, in the format's own layout only.
+        (ToolUse((WEATHER, NOTHING), "required"), '<tool_call>\n{"name":"ping","arguments":{}}\n</tool_call>', False),
+        (ToolUse((WEATHER, NOTHING), "required"), '<tool_call>\n{"name": "ping",\n"arguments": {}}\n</tool_call>', False),
+        (ToolUse((WEATHER, NOTHING), "required"), '<tool_call>{"name": "ping", "arguments": {}}</tool_call>', False),
         (ToolUse((WEATHER, NOTHING), "required"), "Sure! <tool_call>", False),  # required: calls only
-        (ToolUse((WEATHER, NOTHING), "required"), '<tool_call>{"name": "get_weather", "arguments": {}}', False),
-        (ToolUse((WEATHER, NOTHING), "required"), '<tool_call>{"name": "other", "arguments": {}}', False),
-        (ToolUse((WEATHER, NOTHING), "named", "ping"), '<tool_call>{"name": "get_weather"', False),
+        (ToolUse((WEATHER, NOTHING), "required"), '<tool_call>\n{"name": "get_weather", "arguments": {}}', False),
+        (ToolUse((WEATHER, NOTHING), "required"), '<tool_call>\n{"name": "other", "arguments": {}}', False),
+        (ToolUse((WEATHER, NOTHING), "named", "ping"), '<tool_call>\n{"name": "get_weather"', False),
         (ToolUse((WEATHER, NOTHING), "required", parallel=False),
-         '<tool_call>{"name": "ping", "arguments": {}}</tool_call><tool_call>', False),
+         '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>\n<tool_call>', False),
         (ToolUse((WEATHER, NOTHING)), "Any text at all, then <tool_call>", True),  # auto
-        (ToolUse((WEATHER, NOTHING)), 'Text <tool_call>{"name": "nope"', False),  # auto: once opened, a real call
-        (ToolUse((WEATHER, NOTHING)), 'Text <tool_call>{"name": "ping", "arguments": {}}</tool_call> more text', True),
+        (ToolUse((WEATHER, NOTHING)), 'Text <tool_call>\n{"name": "nope"', False),  # auto: once opened, a real call
+        (ToolUse((WEATHER, NOTHING)), 'Text <tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call> more', True),
     ],
 )
 def test_the_grammar_lets_through_valid_calls_only(grammars, default_tokenizer, use, text, allowed):
     assert accepts(grammars.tool_calls(use), default_tokenizer, text) is allowed
+
+
+@pytest.mark.parametrize("use", [ToolUse((WEATHER, NOTHING), "required"), ToolUse((WEATHER, NOTHING), "named", "ping"),
+                                 ToolUse((WEATHER, NOTHING), "required", parallel=False)])
+def test_the_reply_may_end_right_after_each_call(grammars, default_tokenizer, use):
+    call = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+    for num_calls in (1, 2) if use.parallel and use.mode == "required" else (1,):
+        matcher = grammars.tool_calls(use).matcher()
+        assert all(matcher.accept(t) for t in default_tokenizer.encode("\n".join([call] * num_calls)))
+        assert matcher.accept(default_tokenizer.eos_token_id) and matcher.is_finished
 
 
 def test_a_template_without_tools_gets_them_as_text():
