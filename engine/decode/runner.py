@@ -125,13 +125,15 @@ class ModelRunner:
     @property
     def _prefills_as_decode_rows(self) -> bool:
         """Whether prompts prefill as decode rows (each position a row attending to the context before it, on the
-        native step), so a prompt token's logprob is the one it gets when generated, to the bit, and a sequence's
-        tokens do not depend on how its prompt was chunked or what ran beside it. The int8 activations of the
-        4-bit and int8 kernels magnify the float-order difference between prefill's attention and decode's (~1e-6)
-        into ~0.1-0.2 nats in a logprob. The native step's matmuls give each row the same bits whatever the batch,
-        and its attention kernel reads a prompt's rows in tiles (decode_attention.h), so this costs prefill little.
-        aten's matmuls (the eager and compiled steps) are not row-invariant, so elsewhere prompts prefill whole."""
-        return self.native_step is not None
+        decode step), so a prompt token's logprob is the one it gets when generated, to the bit, and a sequence's
+        tokens do not depend on how its prompt was chunked or what ran beside it. Prefilled whole instead, the
+        float order of prefill's attention differs from decode's (~1e-6), which int8 activations (the int4 and int8
+        kernels) or bf16 roundings magnify into ~0.1-0.2 nats in a logprob. Where decode's attention is Tern's CPU
+        kernel: it reads a prompt's rows in tiles that load each key once (decode_attention.h), and Tern's matmul
+        kernels give each row the same bits whatever the batch (aten's fp32 matmul differs in the last bits, which
+        fp32 does not magnify: ~1e-5 nats). Elsewhere (CUDA, the kernel-less `off` path, models whose attention the
+        kernel cannot serve) prompts prefill whole."""
+        return self.path.attention_kernel is not None and self.device.type == "cpu"
 
     def _decode_forward(self, input_ids, positions, meta):
         """The forward that serves decode rows now, counted by name in decode_steps."""

@@ -43,7 +43,8 @@ def test_system_text_blocks_and_a_tool_round_trip_become_chat_messages():
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "Let me check.", "tool_calls": [
             {"id": "toolu_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}],
+         "reasoning_content": "..."},  # a thinking block goes back to the template as the turn's reasoning
         {"role": "tool", "tool_call_id": "toolu_1", "content": "18 C"},
         {"role": "user", "content": "And tomorrow?"},
         {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: no such city"},
