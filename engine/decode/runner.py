@@ -132,8 +132,9 @@ class ModelRunner:
         kernel: it reads a prompt's rows in tiles that load each key once (decode_attention.h), and Tern's matmul
         kernels give each row the same bits whatever the batch (aten's fp32 matmul differs in the last bits, which
         fp32 does not magnify: ~1e-5 nats). Elsewhere (CUDA, the kernel-less `off` path, models whose attention the
-        kernel cannot serve) prompts prefill whole."""
-        return self.path.attention_kernel is not None and self.device.type == "cpu"
+        kernel cannot serve, or whose prefill looks at the whole prompt: Phi's longrope) prompts prefill whole."""
+        return (self.path.attention_kernel is not None and self.device.type == "cpu"
+                and self.model.prefills_alike_by_rows)
 
     def _decode_forward(self, input_ids, positions, meta):
         """The forward that serves decode rows now, counted by name in decode_steps."""

@@ -87,6 +87,7 @@ class GemmaForCausalLM(nn.Module):
 
     fused_from = FUSED_FROM
     applies_sliding_window = True
+    prefills_alike_by_rows = True  # as llama.LlamaForCausalLM's: a row's forward reads nothing of the rest of its prompt
 
     def __init__(self, config) -> None:
         super().__init__()

@@ -160,6 +160,9 @@ class LlamaForCausalLM(nn.Module):
     # Softmax of q.k * scale over the whole context: what Tern's CPU decode-attention kernel computes.
     has_plain_attention = True
     applies_sliding_window = False  # Mistral's window: the engine keeps contexts within it instead
+    # A prompt computed one row per position (engine/decode/runner.py) gives what this model's own prefill gives:
+    # nothing a forward computes depends on the rest of the prompt beside it.
+    prefills_alike_by_rows = True
 
     def __init__(self, config) -> None:
         super().__init__()

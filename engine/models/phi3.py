@@ -58,6 +58,11 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         self.original_max_len = config.rope_parameters.get("original_max_position_embeddings")
         self.short_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # longrope within the original context
 
+    @property
+    def prefills_alike_by_rows(self) -> bool:
+        # longrope picks a prompt's factors from its last position (as transformers does), which a row alone lacks
+        return self.short_rope is None
+
     def build_rope_tables(self, max_len: int, device, dtype) -> None:
         """transformers' Phi-3 RoPE computes its short factors for a sequence within original_max_len and its long
         ones beyond; both are kept when the engine's context can pass it (rope_cos/sin: long, short_rope: short)."""
