@@ -116,7 +116,9 @@ class ModelRunner:
             if rowwise:  # each token its own row, attending to the context before it: what decoding it computes
                 spans = [(seq, start + j, 1) for seq, start, n in spans for j in range(n)]
             input_ids, positions, meta = self._prepare(spans)
-            forward = self._decode_forward(input_ids, positions, meta) if rowwise else self.model.forward
+            # A rowwise forward counts as a decode step where it decodes a sequence, not where it only prefills.
+            decodes = any(n == 1 for n in batch.num_new_tokens)
+            forward = self._decode_forward(input_ids, positions, meta, decodes) if rowwise else self.model.forward
             hidden = forward(input_ids, positions, self.kv_layers, meta)
             for i, part in zip(members, hidden.split([batch.num_new_tokens[i] for i in members])):
                 hidden_of[i] = part
@@ -124,30 +126,26 @@ class ModelRunner:
 
     @property
     def _prefills_as_decode_rows(self) -> bool:
-        """Whether prompts prefill as decode rows (each position a row attending to the context before it, on the
-        decode step), so a prompt token's logprob is the one it gets when generated, to the bit, and a sequence's
-        tokens do not depend on how its prompt was chunked or what ran beside it. Prefilled whole instead, the
-        float order of prefill's attention differs from decode's (~1e-6), which int8 activations (the int4 and int8
-        kernels) or bf16 roundings magnify into ~0.1-0.2 nats in a logprob. Where decode's attention is Tern's CPU
-        kernel: it reads a prompt's rows in tiles that load each key once (decode_attention.h), and Tern's matmul
-        kernels give each row the same bits whatever the batch (aten's fp32 matmul differs in the last bits, which
-        fp32 does not magnify: ~1e-5 nats). Elsewhere (CUDA, the kernel-less `off` path, models whose attention the
-        kernel cannot serve, or whose prefill looks at the whole prompt: Phi's longrope) prompts prefill whole."""
-        return (self.path.attention_kernel is not None and self.device.type == "cpu"
-                and self.model.prefills_alike_by_rows)
+        """Whether prompts prefill as decode rows (each position a row of the native step, attending to the context
+        before it), so a prompt token's logprob is the one it gets when generated, to the bit, however the prompt was
+        chunked and whatever ran beside it: prefilled whole, the ~1e-6 float-order difference of prefill's attention
+        grew through the kernels' int8 activations into ~0.1-0.24 nats. Only on the native step, whose matmuls give
+        each row the same bits in any batch and whose attention reads a prompt's rows in tiles (decode_attention.h):
+        in bf16 the attention kernel rounds scores as decode's matmuls do, coarser than prefill's SDPA."""
+        return self.native_step is not None and self.model.prefills_alike_by_rows
 
-    def _decode_forward(self, input_ids, positions, meta):
-        """The forward that serves decode rows now, counted by name in decode_steps."""
+    def _decode_forward(self, input_ids, positions, meta, counts: bool):
+        """The forward that serves decode rows now, counted by name in decode_steps if `counts`."""
         compiled_forward = None if self.compiled is None else self.compiled.forward  # once: the build's thread sets it
+        name, forward = "eager", self.model.forward
         if self.native_step is not None:
-            self.decode_steps["native"] += 1
-            return self.native_step
-        if compiled_forward is not None:
+            name, forward = "native", self.native_step
+        elif compiled_forward is not None:
             compiled.mark_dynamic(input_ids, positions, meta)
-            self.decode_steps["compiled"] += 1
-            return compiled_forward
-        self.decode_steps["eager"] += 1
-        return self.model.forward
+            name, forward = "compiled", compiled_forward
+        if counts:
+            self.decode_steps[name] += 1
+        return forward
 
     @property
     def decode_step(self) -> str:
@@ -292,12 +290,10 @@ def _marked_dynamic(compiled_forward):
 
 
 def _select_logits(model, hidden_of: list[torch.Tensor], batch: ScheduledBatch) -> StepLogits:
-    """Only the positions someone reads get logits: each sampler's last token, and every new position of a
-    sequence whose prompt logprobs were asked for (echo, scoring); and the new rows' hidden states themselves where
-    an embedding reads them. `hidden_of`: each sequence's new rows."""
+    """From each sequence's new rows (`hidden_of`), what someone reads: a sampler's last row's logits, every row's
+    logits where prompt logprobs were asked for (echo, scoring), the rows themselves for an embedding."""
     last_rows = [hidden[-1] for hidden, s in zip(hidden_of, batch.samples) if s]
     sample_logits = model.compute_logits(torch.stack(last_rows)) if last_rows else hidden_of[0].new_empty(0, 0)
-    prompt_logits = {i: model.compute_logits(hidden_of[i]) for i, wanted in enumerate(batch.wants_prompt_logits)
-                     if wanted}
+    prompt_logits = {i: model.compute_logits(hidden_of[i]) for i, w in enumerate(batch.wants_prompt_logits) if w}
     hidden_states = {i: hidden_of[i] for i, wanted in enumerate(batch.wants_hidden_states) if wanted}
     return StepLogits(sample_logits, prompt_logits, hidden_states)

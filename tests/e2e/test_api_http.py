@@ -137,7 +137,7 @@ BAD_INPUTS = [
      400, "tools[0].type", "unsupported_parameter"),
     ("a tool_choice naming no tool", CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}],
      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice", "invalid_value"),
-    ("a Responses input item of another type", "/v1/responses", {"input": [{"type": "reasoning", "summary": []}]}, 400,
+    ("a Responses input item of another type", "/v1/responses", {"input": [{"type": "web_search_call", "id": "ws_1"}]}, 400,
      "input[0].type", "unsupported_parameter"),
     ("a response_format of an unknown type", CHAT, {"messages": HI, "response_format": {"type": "xml"}}, 400,
      "response_format", "unsupported_parameter"),
