@@ -156,24 +156,31 @@ def tiny_engine_factory(default_tokenizer):
         engine.stop()
 
 
-@pytest.fixture
-def tiny_api(tiny_engine_factory):
-    """(engine, TestClient) serving the tiny llama, whose tokenizer is the default model's, behind the real API
-    routes (with their request ids and error handlers), for tests of what a client sees."""
+def api_app(engine: Engine):
+    """The real API routes over a started engine (with their request ids and error handlers), as a FastAPI app for
+    an in-process TestClient."""
     from fastapi import FastAPI
-    from fastapi.testclient import TestClient
 
     from api import RequestIDMiddleware, build_router, install_error_handlers
     from engine import EngineHandle
 
-    engine, _ = tiny_engine_factory()
     handle = EngineHandle()
     handle.set_engine(engine)
     app = FastAPI()
     install_error_handlers(app)
     app.add_middleware(RequestIDMiddleware)
     app.include_router(build_router(handle))
-    with TestClient(app) as client:
+    return app
+
+
+@pytest.fixture
+def tiny_api(tiny_engine_factory):
+    """(engine, TestClient) serving the tiny llama, whose tokenizer is the default model's, behind the real API
+    routes, for tests of what a client sees."""
+    from fastapi.testclient import TestClient
+
+    engine, _ = tiny_engine_factory()
+    with TestClient(api_app(engine)) as client:
         yield engine, client
 
 

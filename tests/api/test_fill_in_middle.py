@@ -6,11 +6,10 @@ import copy
 import json
 
 import pytest
-from conftest import build_tiny, tiny_config
-from fastapi import FastAPI
+from conftest import api_app, build_tiny, tiny_config
 from fastapi.testclient import TestClient
 
-from engine import Engine, EngineConfig, EngineHandle
+from engine import Engine, EngineConfig
 
 COMPLETIONS = "/v1/completions"
 FIM = ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]
@@ -20,20 +19,12 @@ PREFIX, SUFFIX = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
 @pytest.fixture(scope="module")
 def fim_api(default_tokenizer):
     """(tokenizer, TestClient) of a tiny llama whose vocabulary ends with the three FIM tokens."""
-    from api import RequestIDMiddleware, build_router, install_error_handlers
-
     tokenizer = copy.deepcopy(default_tokenizer)
     tokenizer.add_tokens(FIM, special_tokens=True)
     _, loaded = build_tiny(tiny_config(vocab_size=len(tokenizer)), tokenizer)
     engine = Engine(EngineConfig(dtype="float32"), loaded=loaded).start()
-    handle = EngineHandle()
-    handle.set_engine(engine)
-    app = FastAPI()
-    install_error_handlers(app)
-    app.add_middleware(RequestIDMiddleware)
-    app.include_router(build_router(handle))
     try:
-        with TestClient(app) as client:
+        with TestClient(api_app(engine)) as client:
             yield tokenizer, client
     finally:
         engine.stop()

@@ -15,27 +15,17 @@ import json
 import pytest
 from openai import OpenAI
 
-from conftest import OPENING_TEMPLATE, QWEN3_TEMPLATE, sse_chunks, thinking_engine
-from engine import EngineHandle
+from conftest import OPENING_TEMPLATE, QWEN3_TEMPLATE, api_app, sse_chunks, thinking_engine
 
 HELLO = [{"role": "user", "content": "Hello"}]
 
 
 def thinking_client(default_tokenizer, template: str):
     """(engine, TestClient, `<think>` token id) for a tiny random Qwen3 whose tokenizer has the think tokens."""
-    from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from api import RequestIDMiddleware, build_router, install_error_handlers
-
     engine, think_id = thinking_engine(default_tokenizer, template)
-    handle = EngineHandle()
-    handle.set_engine(engine)
-    app = FastAPI()
-    install_error_handlers(app)
-    app.add_middleware(RequestIDMiddleware)
-    app.include_router(build_router(handle))
-    return engine, TestClient(app), think_id
+    return engine, TestClient(api_app(engine)), think_id
 
 
 @pytest.fixture(scope="module")
