@@ -107,6 +107,8 @@ class ModelRunner:
                     logits = logits[[i for i, s in enumerate(batch.samples) if s]]
                 return StepLogits(logits, {})
         as_rows = [n == 1 or self._prefills_as_decode_rows for n in batch.num_new_tokens]
+        # A rowwise forward counts as a decode step where it decodes a sequence, not where it only prefills.
+        decodes = any(n == 1 for n in batch.num_new_tokens)
         hidden_of: list[torch.Tensor | None] = [None] * len(batch)
         for rowwise in (True, False):
             members = [i for i, r in enumerate(as_rows) if r == rowwise]
@@ -116,8 +118,6 @@ class ModelRunner:
             if rowwise:  # each token its own row, attending to the context before it: what decoding it computes
                 spans = [(seq, start + j, 1) for seq, start, n in spans for j in range(n)]
             input_ids, positions, meta = self._prepare(spans)
-            # A rowwise forward counts as a decode step where it decodes a sequence, not where it only prefills.
-            decodes = any(n == 1 for n in batch.num_new_tokens)
             forward = self._decode_forward(input_ids, positions, meta, decodes) if rowwise else self.model.forward
             hidden = forward(input_ids, positions, self.kv_layers, meta)
             for i, part in zip(members, hidden.split([batch.num_new_tokens[i] for i in members])):
@@ -294,6 +294,7 @@ def _select_logits(model, hidden_of: list[torch.Tensor], batch: ScheduledBatch) 
     logits where prompt logprobs were asked for (echo, scoring), the rows themselves for an embedding."""
     last_rows = [hidden[-1] for hidden, s in zip(hidden_of, batch.samples) if s]
     sample_logits = model.compute_logits(torch.stack(last_rows)) if last_rows else hidden_of[0].new_empty(0, 0)
-    prompt_logits = {i: model.compute_logits(hidden_of[i]) for i, w in enumerate(batch.wants_prompt_logits) if w}
+    prompt_logits = {i: model.compute_logits(hidden_of[i]) for i, wanted in enumerate(batch.wants_prompt_logits)
+                     if wanted}
     hidden_states = {i: hidden_of[i] for i, wanted in enumerate(batch.wants_hidden_states) if wanted}
     return StepLogits(sample_logits, prompt_logits, hidden_states)
