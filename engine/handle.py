@@ -45,6 +45,12 @@ class EngineHandle:
         self.error = message
         self._ready.set()
 
+    def clear(self) -> None:
+        """Unloaded (engine/registry.py): no engine until the next load."""
+        self.engine = None
+        self.error = None
+        self._ready.clear()
+
     def wait(self, timeout_s: float | None = None) -> Engine | None:
         self._ready.wait(timeout_s)
         return self.engine

@@ -1,0 +1,371 @@
+"""ModelRegistry: the models one server serves, by id. Each model is one Engine, unchanged inside; the registry loads
+it on demand (once, however many requests ask), unloads it after --keep-alive seconds idle, and evicts the least
+recently used idle model when --max-loaded models are loaded. api/ and ui/ ask it for an engine by id (a Lease,
+which keeps that engine loaded until released) and know nothing else of loading.
+
+States: unloaded -> loading -> loaded -> unloading -> unloaded, or loading -> failed (the reason kept, the other
+models served on). A model is never unloaded while a lease on it is held or its engine has a request."""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import gc
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import DrainingError, EngineError, ModelLoadError
+from engine.handle import EngineHandle
+
+logger = logging.getLogger(__name__)
+
+UNLOADED, LOADING, LOADED, UNLOADING, FAILED = "unloaded", "loading", "loaded", "unloading", "failed"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One served model: the id clients name it by, how its engine is built, and how long it may sit idle loaded
+    (None: never unloaded for idleness; it may still be evicted to make room under max_loaded)."""
+
+    id: str
+    config: EngineConfig
+    keep_alive_s: float | None = None
+
+
+class UnknownModelError(EngineError):
+    """A request named a model this server does not serve; the message names the ones it does."""
+
+
+class ModelNotReadyError(EngineError):
+    """The model is still loading at start-up (loaded on purpose, not on demand): retry shortly."""
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """One model as /v1/models, /metrics and the UI show it."""
+
+    id: str
+    state: str
+    error: str | None  # why it failed to load
+    num_leases: int  # requests (and UI actions) using it now
+    num_loads: int
+    num_unloads: int
+    last_load_s: float | None  # how long its last load took
+    idle_s: float | None  # since its last lease ended, when loaded and unused
+
+
+def load_engine(config: EngineConfig) -> Engine:
+    """An engine started and at full speed: where the decode step compiles, it is built before the engine serves."""
+    engine = Engine(config).start()
+    if engine.info().decode_step == "compiling":
+        # Ready means full speed: until the compiled step is built the eager one would serve at a fifth of its
+        # speed, with the compile taking the cores from it, so the model is not ready until it is done.
+        logger.info("building the compiled decode step before serving (seconds when the inductor cache has it, "
+                    "minutes on a machine's first start)")
+        engine.wait_for_compiled_decode()
+    return engine
+
+
+class Lease:
+    """The right to use one model's engine until release(); while any lease on it is held it is not unloaded.
+    Release is idempotent; a lease is also a context manager."""
+
+    def __init__(self, registry: ModelRegistry, model_id: str, engine: Engine) -> None:
+        self.registry, self.model_id, self.engine = registry, model_id, engine
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.registry._release(self.model_id)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class _Entry:
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.handle = EngineHandle(spec.id)
+        self.state = UNLOADED
+        self.on_demand = False  # this load was asked for by a request, which waits for it
+        self.num_leases = 0
+        self.num_waiting = 0  # requests waiting for a lease on it
+        self.last_used = time.monotonic()
+        self.num_loads = self.num_unloads = 0
+        self.last_load_s: float | None = None
+
+
+class ModelRegistry:
+    def __init__(self, specs: Sequence[ModelSpec], max_loaded: int | None = None,
+                 load: Callable[[EngineConfig], Engine] = load_engine) -> None:
+        if not specs:
+            raise ValueError("a registry serves at least one model")
+        ids = [spec.id for spec in specs]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"model ids must differ, got {ids}")
+        if max_loaded is not None and max_loaded < 1:
+            raise ValueError(f"max_loaded must be at least 1, got {max_loaded}")
+        self.max_loaded = max_loaded
+        self._load = load
+        self._entries = {spec.id: _Entry(spec) for spec in specs}
+        self._lock = threading.Condition()
+        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._is_draining = False
+        self._is_stopped = False
+        self._reaper: threading.Thread | None = None
+
+    # -- what is served ------------------------------------------------------------------------------------------
+    @property
+    def ids(self) -> list[str]:
+        return list(self._entries)
+
+    @property
+    def default_id(self) -> str:
+        """The first model: the one a request that names no model gets."""
+        return next(iter(self._entries))
+
+    def resolve(self, model: str | None) -> str:
+        """The id a request's `model` names: empty or None means the default; an unknown one raises."""
+        if not model:
+            return self.default_id
+        if model not in self._entries:
+            served = ", ".join(f"`{i}`" for i in self._entries)
+            raise UnknownModelError(f"The model `{model}` does not exist. This server serves {served}.", "model")
+        return model
+
+    def handle(self, model: str | None = None) -> EngineHandle:
+        """The model's handle: its engine when loaded (else None), its load error when it failed."""
+        return self._entries[self.resolve(model)].handle
+
+    def status(self, model: str | None = None) -> ModelStatus:
+        with self._lock:
+            entry = self._entries[self.resolve(model)]
+            idle = time.monotonic() - entry.last_used if entry.state == LOADED and not entry.num_leases else None
+            return ModelStatus(entry.spec.id, entry.state, entry.handle.error, entry.num_leases, entry.num_loads,
+                               entry.num_unloads, entry.last_load_s, idle)
+
+    def statuses(self) -> list[ModelStatus]:
+        return [self.status(model_id) for model_id in self._entries]
+
+    @property
+    def is_draining(self) -> bool:
+        return self._is_draining
+
+    # -- life ----------------------------------------------------------------------------------------------------
+    def start(self, preload: Sequence[str] = ()) -> ModelRegistry:
+        """Begin loading `preload` (requests for them get ModelNotReadyError until each is loaded, as a single-model
+        server's did) and start the thread that unloads idle models."""
+        with self._lock:
+            for model_id in preload:
+                self._begin_load(self._entries[self.resolve(model_id)], on_demand=False)
+        self._reaper = threading.Thread(target=self._reap_idle, name="tern-registry", daemon=True)
+        self._reaper.start()
+        return self
+
+    def drain(self) -> list[Engine]:
+        """Shutting down: no model loads any more and no engine takes new requests; those running go on. Returns the
+        loaded engines, for whoever drains to wait on."""
+        with self._lock:
+            self._is_draining = True
+            engines = [e for e in (entry.handle.drain() for entry in self._entries.values()) if e is not None]
+            self._notify()
+            return engines
+
+    def stop(self) -> None:
+        """Stop every engine (the server is exiting)."""
+        with self._lock:
+            self._is_stopped = True
+            engines = [entry.handle.engine for entry in self._entries.values() if entry.handle.engine is not None]
+            self._notify()
+        for engine in engines:
+            engine.stop()
+        if self._reaper is not None:
+            self._reaper.join(timeout=5)
+
+    # -- leases --------------------------------------------------------------------------------------------------
+    def acquire(self, model: str | None = None, timeout_s: float | None = None) -> Lease:
+        """A lease on the model's engine, loading it first if needed (this thread waits; one load however many ask).
+        Raises UnknownModelError, ModelLoadError (it failed to load: the reason), ModelNotReadyError (loading at
+        start-up), DrainingError, or TimeoutError after timeout_s."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                lease = self._try_lease(self.resolve(model))
+                if lease is not None:
+                    return lease
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"model `{self.resolve(model)}` did not load within {timeout_s} s")
+                # Woken by every change; the second is for a room that frees without one (an engine's last request
+                # ending after its lease did).
+                entry = self._entries[self.resolve(model)]
+                entry.num_waiting += 1  # a waiter is a use: the model it waits for is not unloaded under it
+                try:
+                    self._lock.wait(1.0 if remaining is None else min(remaining, 1.0))
+                finally:
+                    entry.num_waiting -= 1
+
+    async def acquire_async(self, model: str | None = None) -> Lease:
+        """acquire() for the event loop: waits for a load without holding a thread. Cancelled (the client left), it
+        leaves nothing behind; the load it started goes on."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._lock:
+                lease = self._try_lease(self.resolve(model))
+                if lease is not None:
+                    return lease
+                waiter = loop.create_future()
+                self._async_waiters.append((loop, waiter))
+                entry = self._entries[self.resolve(model)]
+                entry.num_waiting += 1
+            try:
+                await asyncio.wait([waiter], timeout=1.0)  # as acquire(): woken by every change, else each second
+            finally:
+                with self._lock:
+                    entry.num_waiting -= 1
+
+    def _try_lease(self, model_id: str) -> Lease | None:
+        """Under the lock: a lease now, or None after starting whatever must happen first (a load, an eviction)."""
+        entry = self._entries[model_id]
+        if self._is_draining or self._is_stopped:
+            raise DrainingError("the server is shutting down and takes no new requests; retry shortly")
+        if entry.state == LOADED:
+            entry.num_leases += 1
+            entry.last_used = time.monotonic()
+            return Lease(self, model_id, entry.handle.engine)
+        if entry.state == FAILED:
+            raise ModelLoadError(f"model `{model_id}` failed to load: {entry.handle.error}")
+        if entry.state == LOADING and not entry.on_demand:
+            raise ModelNotReadyError(f"model `{model_id}` is still loading; retry shortly")
+        if entry.state == UNLOADED:
+            if self._has_room():
+                self._begin_load(entry, on_demand=True)
+            else:
+                victim = self._least_recently_used_idle()
+                if victim is not None:
+                    self._begin_unload(victim, f"least recently used idle model, making room for `{model_id}` "
+                                               f"(--max-loaded {self.max_loaded})")
+        return None  # loading, unloading, or waiting for a loaded model to become idle
+
+    def _release(self, model_id: str) -> None:
+        with self._lock:
+            entry = self._entries[model_id]
+            entry.num_leases -= 1
+            entry.last_used = time.monotonic()
+            self._notify()
+
+    # -- loading and unloading -----------------------------------------------------------------------------------
+    def _has_room(self) -> bool:
+        if self.max_loaded is None:
+            return True
+        taken = sum(entry.state in (LOADING, LOADED, UNLOADING) for entry in self._entries.values())
+        return taken < self.max_loaded
+
+    def _least_recently_used_idle(self) -> _Entry | None:
+        idle = [entry for entry in self._entries.values() if entry.state == LOADED and self._is_idle(entry)]
+        return min(idle, key=lambda entry: entry.last_used, default=None)
+
+    @staticmethod
+    def _is_idle(entry: _Entry) -> bool:
+        # The engine's own count too: a request submitted outside a lease is never cut off either.
+        return entry.num_leases == 0 and entry.num_waiting == 0 and not entry.handle.engine.has_requests
+
+    def _begin_load(self, entry: _Entry, on_demand: bool) -> None:
+        entry.state, entry.on_demand = LOADING, on_demand
+        entry.handle.error = None
+        threading.Thread(target=self._load_entry, args=(entry,), name=f"tern-load-{entry.spec.id}", daemon=True).start()
+
+    def _load_entry(self, entry: _Entry) -> None:
+        started = time.monotonic()
+        logger.info("loading model `%s` (%s)", entry.spec.id, "on demand" if entry.on_demand else "at start")
+        engine, error = None, None
+        try:
+            engine = self._load(entry.spec.config)
+        except ModelLoadError as exc:
+            error = exc.message
+            logger.error("model `%s` failed to load: %s", entry.spec.id, error)
+        except Exception as exc:  # keep serving the other models, with this one's reason
+            error = f"{type(exc).__name__}: {exc}"
+            logger.exception("model `%s` failed to load", entry.spec.id)
+        with self._lock:
+            if engine is not None and self._is_stopped:
+                engine.stop()
+                engine = None
+            if engine is None:
+                entry.state = FAILED
+                entry.handle.set_error(error or "the server stopped while it loaded")
+            else:
+                entry.state, entry.last_used = LOADED, time.monotonic()
+                entry.num_loads += 1
+                entry.last_load_s = entry.last_used - started
+                entry.handle.set_engine(engine)  # drained at once if the server drains
+                logger.info("model `%s` loaded in %.1f s", entry.spec.id, entry.last_load_s)
+            self._notify()
+
+    def _begin_unload(self, entry: _Entry, reason: str) -> None:
+        engine = entry.handle.engine
+        entry.state = UNLOADING
+        entry.handle.clear()
+        logger.info("unloading model `%s`: %s", entry.spec.id, reason)
+        threading.Thread(target=self._unload_entry, args=(entry, engine), name=f"tern-unload-{entry.spec.id}",
+                         daemon=True).start()
+
+    def _unload_entry(self, entry: _Entry, engine: Engine) -> None:
+        engine.stop()
+        del engine
+        _return_freed_memory()
+        with self._lock:
+            entry.state = UNLOADED
+            entry.num_unloads += 1
+            self._notify()
+
+    def _reap_idle(self) -> None:
+        """Unload each model idle for its keep-alive. Sleeps until the next one could expire; no polling."""
+        with self._lock:
+            while not self._is_stopped:
+                now, next_check = time.monotonic(), None
+                for entry in self._entries.values():
+                    keep_alive = entry.spec.keep_alive_s
+                    if entry.state != LOADED or keep_alive is None or self._is_draining:
+                        continue
+                    if entry.num_leases or entry.num_waiting:
+                        continue  # in use: its release wakes this thread
+                    expires = entry.last_used + keep_alive
+                    if expires > now:
+                        next_check = expires if next_check is None else min(next_check, expires)
+                    elif entry.handle.engine.has_requests:  # running without a lease: look again a keep-alive later
+                        entry.last_used = now
+                        next_check = now + keep_alive if next_check is None else min(next_check, now + keep_alive)
+                    else:
+                        self._begin_unload(entry, f"idle for {now - entry.last_used:.0f} s (keep-alive {keep_alive:g} s)")
+                self._lock.wait(None if next_check is None else next_check - now)
+
+    def _notify(self) -> None:
+        """Under the lock: wake every waiter, threads and event loops, to look again."""
+        self._lock.notify_all()
+        for loop, waiter in self._async_waiters:
+            loop.call_soon_threadsafe(_resolve, waiter)
+        self._async_waiters.clear()
+
+
+def _resolve(waiter: asyncio.Future) -> None:
+    if not waiter.done():  # a cancelled waiter (its client left) is simply dropped
+        waiter.set_result(None)
+
+
+def _return_freed_memory() -> None:
+    """Give an unloaded model's memory back to the system: collect its tensors' cycles, then ask glibc to return the
+    freed heap (large tensors are mmap'd and go back at once; smaller ones stay in malloc's arenas otherwise)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: what it keeps, it keeps
+        pass
