@@ -22,6 +22,7 @@ from engine.decode import compiled, cuda_graphs, native_decode
 from engine.config import EngineConfig
 from engine.kernels import CpuKernels
 from engine.kv_cache import BlockAllocator, KVCache
+from engine.weights.layers import computes_each_row_alone
 from engine.weights.loader import LoadedModel
 from engine.models.generic import RecomputeRunner
 from engine.decode.runner import ModelRunner, Runner
@@ -41,6 +42,9 @@ class DecodePath:
     graphs: bool = False  # decode steps replay CUDA graphs, one per (batch, context) bucket (uncaptured on CPU)
     attention_kernel: Callable | None = None  # reads decode steps' K/V in place (engine.kernels); None: matmuls
     kernels: CpuKernels | None = None  # the kernel path the native step runs on
+    # Prompts prefill as decode rows (each position a row of the decode step, attending to the context before it),
+    # so a prompt token's logprob is the one it gets when generated, to the bit (see _prefills_as_decode_rows).
+    prefills_as_decode_rows: bool = False
 
 
 def plan_decode_path(config: EngineConfig, loaded: LoadedModel, kv_cache: KVCache | None) -> DecodePath:
@@ -77,8 +81,11 @@ def plan_decode_path(config: EngineConfig, loaded: LoadedModel, kv_cache: KVCach
         problem = cuda_graphs.unsupported_reason(quantization)
         graphs = problem is None
         reasons.append(f"CUDA graphs: {problem or 'replayed'}")
+    as_rows = _prefills_as_decode_rows(step, loaded, attention_kernel)
+    if as_rows:
+        reasons.append("prompts prefill as decode rows")
     path = DecodePath(step, "; ".join(reasons), step == "compiled" and device.type == "cpu", graphs,
-                      attention_kernel, loaded.kernels if step == "native" else None)
+                      attention_kernel, loaded.kernels if step == "native" else None, as_rows)
     logger.info("decode steps: %s%s (%s)", step, ", CUDA graphs" if graphs else "", path.reason)
     return path
 
@@ -106,3 +113,18 @@ def _attention_kernel(loaded: LoadedModel, kv_cache: KVCache) -> Callable | None
     usable = (loaded.device.type == "cpu" and kv_cache.dtype in (torch.bfloat16, torch.float32)
               and kv_cache.head_dim % 16 == 0 and loaded.model.has_plain_attention)
     return loaded.kernels.decode_attention if usable else None
+
+
+def _prefills_as_decode_rows(step: str, loaded: LoadedModel, attention_kernel: Callable | None) -> bool:
+    """Whether prompts prefill as decode rows: then a prompt token's logprob is the one it gets when generated, to the
+    bit, however the prompt was chunked and whatever ran beside it. Prefilled whole, prefill's attention (SDPA, its
+    blocking set by the prompt's length) differs from decode's in float order, which grew through the layers into
+    ~0.1-0.24 nats (int8 activations in fp32, bf16 roundings). It needs a step whose rows are computed alike in any
+    batch: the native step, or the eager one where every matmul is a Tern kernel (bf16 on AVX512-BF16, the packed
+    layouts in bf16) and the attention kernel reads a prompt's rows in tiles (decode_attention.h). Not the compiled
+    step, whose build covers decode-sized batches; and only models whose row reads nothing of the rest of its
+    prompt (Phi-3's longrope picks its factors from the prompt's last position)."""
+    if not loaded.model.prefills_alike_by_rows or attention_kernel is None:
+        return False
+    return step == "native" or (step in ("eager", "compiled") and computes_each_row_alone(loaded.model))
+

@@ -126,13 +126,8 @@ class ModelRunner:
 
     @property
     def _prefills_as_decode_rows(self) -> bool:
-        """Whether prompts prefill as decode rows (each position a row of the native step, attending to the context
-        before it), so a prompt token's logprob is the one it gets when generated, to the bit, however the prompt was
-        chunked and whatever ran beside it: prefilled whole, the ~1e-6 float-order difference of prefill's attention
-        grew through the kernels' int8 activations into ~0.1-0.24 nats. Only on the native step, whose matmuls give
-        each row the same bits in any batch and whose attention reads a prompt's rows in tiles (decode_attention.h):
-        in bf16 the attention kernel rounds scores as decode's matmuls do, coarser than prefill's SDPA."""
-        return self.native_step is not None and self.model.prefills_alike_by_rows
+        """Whether prompts prefill as decode rows: decided once with the decode path (decode_path.py says why)."""
+        return self.path.prefills_as_decode_rows
 
     def _decode_forward(self, input_ids, positions, meta, counts: bool):
         """The forward that serves decode rows now, counted by name in decode_steps if `counts`."""

@@ -117,18 +117,27 @@ def _attend(q, k_flat, v_flat, group: AttentionGroup, scale: float, softcap: flo
 
 def _decode_attention_matmul(q, keys, values, attn_mask, scale: float, softcap: float | None = None) -> torch.Tensor:
     """One query per sequence, in plain matmuls: several times faster than SDPA's flash kernel on CPU, which is
-    tuned for long queries, and on an H100 it beat memory-efficient SDPA 2.3x in a 64-sequence step. Softmax in
-    fp32, as SDPA does. The CPU kernel's twin: it rounds where this rounds."""
+    tuned for long queries, and on an H100 it beat memory-efficient SDPA 2.3x in a 64-sequence step. The CPU kernel's
+    twin: it rounds where this rounds. In fp32, softmax then the weighted sum. In bf16/fp16 it rounds as SDPA's
+    flash kernel (which serves prompts) does, so a prompt token's logprob is the one it gets when decoded: scores
+    in fp32 (a half-precision matmul would round them, ~0.15 nats apart), exp(s - max) rounded to weight the
+    values, their fp32 sum dividing the fp32 result, rounded once."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # heads sharing one KV head
-    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scale  # [B, Hkv, G, L]
+    is_half = q.dtype != torch.float32
+    scores = torch.matmul(grouped.float(), keys.float().transpose(-1, -2)) if is_half else torch.matmul(
+        grouped, keys.transpose(-1, -2))
+    scores = scores * scale  # [B, Hkv, G, L]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if attn_mask is not None:  # [B, 1, 1, L]
         scores = scores.masked_fill(~attn_mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    return torch.matmul(probs, values).reshape(batch, num_heads * head_dim)
+    if not is_half:
+        return torch.matmul(torch.softmax(scores, dim=-1), values).reshape(batch, num_heads * head_dim)
+    exps = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    weighted = torch.matmul(exps.to(values.dtype).float(), values.float()) / exps.sum(dim=-1, keepdim=True)
+    return weighted.to(q.dtype).reshape(batch, num_heads * head_dim)
 
 
 def _softcapped_attention(queries, keys, values, group: AttentionGroup, scale: float, softcap: float) -> torch.Tensor:

@@ -230,3 +230,14 @@ class PackedBf16Embedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return layouts.bf16_rows(self.weight_packed, input_ids)
+
+
+def computes_each_row_alone(model: nn.Module) -> bool:
+    """Whether every matmul of `model` gives a row of activations the same bits in any batch: true of Tern's kernel
+    layers (each output one fixed chain over its row, activations quantized per row), not of aten's GEMMs, whose
+    blocking and reduction order change with the number of rows (bitsandbytes' LLM.int8() even picks its outlier
+    columns per batch)."""
+    kernel_layers = (_KernelForward, PackedBf16Linear)
+    aten_layers = (nn.Linear, Int8Linear, AtenInt4Linear, _BlockLinear)  # bnb's layers are nn.Linear subclasses
+    return not any(isinstance(m, aten_layers) and not isinstance(m, kernel_layers) for m in model.modules())
+

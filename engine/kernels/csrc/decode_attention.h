@@ -8,10 +8,11 @@
 // tiny matrices (3 x 64 x ~200 per KV head): ~0.8 ms per layer at 16 sequences on 2 cores, a third of the step.
 // Here each (sequence, KV head) pair reads its keys and values once, in place, with its query heads together.
 //
-// It rounds where the matmul path rounds, so the two agree to fp32 summation order: in bf16 each score is
-// rounded to bf16 before scaling (matmul's output dtype), the probabilities are rounded to bf16 before they
-// weight the values, and the output once at the end. Softmax is in fp32, as torch's. Each pair's arithmetic is
-// the same whatever else is in the batch.
+// In bf16 it rounds where SDPA's CPU flash kernel rounds, which serves prompts, so a prompt's token and the same
+// token decoded agree to fp32 summation order: scores stay fp32 (scaled in fp32), each exp(s - max) is rounded to
+// bf16 to weight the values while the sum divides in fp32 at the end, and the output is rounded once. (Rounding
+// scores to bf16, as a bf16 matmul does, moved logprobs by ~0.15 nats between prompt and decode.) In fp32 it is
+// softmax then the weighted sum. Each pair's arithmetic is the same whatever else is in the batch.
 #pragma once
 
 #include "kernels.h"
@@ -72,7 +73,7 @@ inline typename V::Reg map_row(float* row, int64_t n, typename V::Reg total, F f
 
 // A thread's working memory, reused by every pair it attends to.
 struct Scratch {
-  std::vector<float> query, scores, acc;
+  std::vector<float> query, scores, acc, sums;
 };
 
 // One tile's KV head: R rows (a sequence at one position each, each row's context a prefix of the last row's:
@@ -108,19 +109,34 @@ void attend_tile(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_
   }
   const Reg scale_v = V::set1(scale);
   const auto add = [](Reg a, Reg b) { return V::add(a, b); };
+  std::vector<float>& sums = scratch.sums;  // bf16: each head's sum of exps, which divides its output at the end
+  sums.resize(heads);
   for (int64_t head = 0; head < heads; ++head) {  // softmax in fp32, as torch's: exp(s - max) / sum
     float* row = &scores[head * length];
     const int64_t n = lengths[head / G];
     const Reg max_v = V::set1(V::reduce_max(map_row<V>(
-        row, n, V::set1(-std::numeric_limits<float>::infinity()),
-        [&](Reg s) { return V::mul(round_like_bf16 ? V::round_to_bf16(s) : s, scale_v); },
+        row, n, V::set1(-std::numeric_limits<float>::infinity()), [&](Reg s) { return V::mul(s, scale_v); },
         [](Reg a, Reg b) { return V::max(a, b); })));
+    if (round_like_bf16) {  // SDPA's: the exps rounded to weight the values, their fp32 sum kept to divide
+      Reg sum = V::zero();
+      int64_t i = 0;
+      for (; i + V::kLanes <= n; i += V::kLanes) {
+        const Reg e = V::exp(V::sub(V::load(row + i), max_v));
+        sum = V::add(sum, e);
+        V::store(row + i, V::round_to_bf16(e));
+      }
+      if (i < n) {
+        const typename V::Mask mask = V::tail_mask(n - i);
+        const Reg e = V::exp(V::sub(V::load_masked(row + i, mask), max_v));
+        sum = V::blend(mask, sum, V::add(sum, e));
+        V::store_masked(row + i, mask, V::round_to_bf16(e));
+      }
+      sums[head] = V::reduce_add(sum);
+      continue;
+    }
     const Reg sum = V::set1(V::reduce_add(map_row<V>(
         row, n, V::zero(), [&](Reg s) { return V::exp(V::sub(s, max_v)); }, add)));
-    map_row<V>(row, n, V::zero(), [&](Reg e) {
-      const Reg p = V::div(e, sum);
-      return round_like_bf16 ? V::round_to_bf16(p) : p;
-    }, add);
+    map_row<V>(row, n, V::zero(), [&](Reg e) { return V::div(e, sum); }, add);
   }
   first_row = 0;
   for (int64_t l = 0; l < length; ++l) {
@@ -135,6 +151,9 @@ void attend_tile(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_
       }
     }
   }
+  if (round_like_bf16)
+    for (int64_t head = 0; head < heads; ++head)
+      for (int64_t j = 0; j < D; ++j) acc[head * D + j] /= sums[head];
   for (int64_t r = 0; r < R; ++r) store_floats(out + r * out_row_stride, &acc[r * G * D], G * D);
 }
 

@@ -144,14 +144,18 @@ def test_where_the_native_step_cannot_serve_the_engine_says_why_and_decodes_in_p
             engine.stop()
 
 
-@pytest.mark.parametrize("mode,dtype", [("int4", "float32"), ("int8", "float32")])
+@pytest.mark.parametrize("mode,dtype", [("int4", "float32"), ("int8", "float32"), ("int4", "bfloat16"),
+                                        ("int8", "bfloat16"), ("none", "bfloat16")])
 def test_a_prompt_tokens_logprob_is_the_one_it_gets_when_generated(default_tokenizer, path_kernels, mode, dtype):
     """Echo and scoring read prompt logprobs; a client compares them with the logprobs of generated text (lm-eval
-    scores a continuation either way). The native step prefills prompts as decode rows, so a token's logprob is the
-    same number whether the token was generated or sent back in a prompt, whether the prompt came in chunks or
-    whole, alone or beside other requests. (Before, with prompts prefilled whole by the eager model, the kernels'
-    int8 activations magnified prefill's other float order into differences of up to ~0.2 nats.)"""
+    scores a continuation either way). Where every matmul is a Tern kernel (the native step; bf16 on the eager step)
+    prompts prefill as decode rows, so a token's logprob is the same number whether the token was generated or sent
+    back in a prompt, whether the prompt came in chunks or whole, alone or beside other requests. (Before, with
+    prompts prefilled whole by SDPA, its other float order grew into differences of up to ~0.2 nats: through the
+    kernels' int8 activations in fp32, through bf16's roundings in bf16.)"""
     require_op(path_kernels.decode_attention, "decode attention")
+    if mode == "none":
+        require_op(path_kernels.bf16_mm, "bf16 matmul")
     from conftest import tiny_quantized_engine
     from engine import SamplingParams
 
@@ -161,7 +165,8 @@ def test_a_prompt_tokens_logprob_is_the_one_it_gets_when_generated(default_token
         engine, _ = tiny_quantized_engine("llama", mode, default_tokenizer, dtype=dtype, path=path_kernels,
                                           max_num_batched_tokens=chunk)
         try:
-            assert engine.info().decode_step == "native"
+            assert engine.info().decode_step == ("native" if dtype == "float32" else "eager")
+            assert engine.runner.path.prefills_as_decode_rows
             generated = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
                                                                  logprobs=0))[0].choices[0]
             sent_back = prompt + generated.token_ids
