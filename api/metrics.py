@@ -4,7 +4,7 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine import EngineHandle
+from engine.registry import ModelRegistry
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _REQUEST_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
@@ -15,7 +15,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class Metrics:
     """Per app, not prometheus_client's global registry, so several apps in one process (tests) do not clash."""
 
-    def __init__(self, handle: EngineHandle) -> None:
+    def __init__(self, models: ModelRegistry) -> None:
         self.registry = registry = CollectorRegistry()
         self.requests = Counter(
             "tern_http_requests", "HTTP requests answered, by route, method and status", ["route", "method", "status"],
@@ -35,7 +35,7 @@ class Metrics:
             "tern_e2e_request_latency_seconds", "From submission to a sample's last token",
             buckets=_REQUEST_BUCKETS_S, registry=registry,
         )
-        registry.register(_EngineCollector(handle))
+        registry.register(_EngineCollector(models))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -44,14 +44,14 @@ class Metrics:
 class _EngineCollector:
     """The engine's own counts, read when scraped (the engine thread owns them; stats() copies them)."""
 
-    def __init__(self, handle: EngineHandle) -> None:
-        self.handle = handle
+    def __init__(self, models: ModelRegistry) -> None:
+        self.models = models
 
     def describe(self):
         return []  # no collect() at registration time, when the engine may not exist yet
 
     def collect(self):
-        engine = self.handle.engine
+        engine = self.models.handle().engine
         yield GaugeMetricFamily("tern_model_loaded", "1 once the model is loaded", value=int(engine is not None))
         if engine is None:
             return

@@ -1,5 +1,5 @@
-"""RouteContext: what every route needs (engine handle, metrics, API key), the route class wrapping each route, and the
-middleware that gives every response an X-Request-ID."""
+"""RouteContext: what every route needs (the models, by id; metrics; the API key), the route class wrapping each route,
+and the middleware that gives every response an X-Request-ID."""
 from __future__ import annotations
 
 import logging
@@ -13,7 +13,8 @@ from fastapi.routing import APIRoute
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine import Engine, EngineHandle
+from engine import Engine
+from engine.registry import ModelRegistry
 
 from api.auth import authorize
 from api.errors import OpenAIError, model_loading, shutting_down, to_openai_error
@@ -53,20 +54,25 @@ OPEN_PATHS = frozenset({"/health", "/healthz", "/ready", "/readyz", "/metrics"})
 
 
 class RouteContext:
-    def __init__(self, handle: EngineHandle, api_key: str | None = None) -> None:
-        self.handle = handle
+    def __init__(self, models: ModelRegistry, api_key: str | None = None) -> None:
+        self.models = models
         self.api_key = api_key or None
-        self.metrics = Metrics(handle)
+        self.metrics = Metrics(models)
         self.created = int(time.time())
 
     @property
+    def handle(self):
+        """The default model's handle (the first one served)."""
+        return self.models.handle()
+
+    @property
     def model_name(self) -> str:
-        return self.handle.served_model_name
+        return self.models.default_id
 
     @property
     def is_draining(self) -> bool:
         """Shutting down: routes that run the model or its tokenizer answer 503, /ready too."""
-        return self.handle.is_draining
+        return self.models.is_draining
 
     def needs_key(self, route_path: str) -> bool:
         """With --api-key, every route but the probes needs it: /v1 and the tokenizer routes alike."""
@@ -74,13 +80,11 @@ class RouteContext:
 
     def engine(self, model: str | None = None) -> Engine:
         """The engine once loaded (else 503), after checking the model the client asked for (else 404)."""
-        engine = self.handle.engine
-        if engine is None:
-            raise model_loading(self.handle.error)
-        if model and model != self.model_name:
-            message = f"The model `{model}` does not exist. This server serves `{self.model_name}`."
-            raise OpenAIError(404, message, param="model", code="model_not_found")
-        return engine
+        handle = self.models.handle()
+        if handle.engine is None:
+            raise model_loading(handle.error)
+        self.models.resolve(model)
+        return handle.engine
 
     def route_class(self, error_response: Callable[[OpenAIError], Response] = OpenAIError.response,
                     takes_x_api_key: bool = False) -> type[APIRoute]:

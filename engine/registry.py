@@ -44,6 +44,10 @@ class ModelNotReadyError(EngineError):
     """The model is still loading at start-up (loaded on purpose, not on demand): retry shortly."""
 
 
+class ModelFailedError(ModelLoadError):
+    """A served model failed to load; the message names it and says why (the others serve on)."""
+
+
 @dataclass(frozen=True)
 class ModelStatus:
     """One model as /v1/models, /metrics and the UI show it."""
@@ -56,6 +60,7 @@ class ModelStatus:
     num_unloads: int
     last_load_s: float | None  # how long its last load took
     idle_s: float | None  # since its last lease ended, when loaded and unused
+    unloads_by_reason: dict[str, int]  # "idle" (its keep-alive passed), "evicted" (room for another, max_loaded)
 
 
 def load_engine(config: EngineConfig) -> Engine:
@@ -91,9 +96,11 @@ class Lease:
 
 
 class _Entry:
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, handle: EngineHandle | None = None) -> None:
         self.spec = spec
-        self.handle = EngineHandle(spec.id)
+        # A handle given from outside (ModelRegistry.serving) is loaded by its owner: the entry only mirrors it.
+        self.is_external = handle is not None
+        self.handle = handle or EngineHandle(spec.id)
         self.state = UNLOADED
         self.on_demand = False  # this load was asked for by a request, which waits for it
         self.num_leases = 0
@@ -101,6 +108,13 @@ class _Entry:
         self.last_used = time.monotonic()
         self.num_loads = self.num_unloads = 0
         self.last_load_s: float | None = None
+        self.unloads_by_reason: dict[str, int] = {}  # "idle" (keep-alive) or "evicted" (max_loaded)
+
+    def sync(self) -> None:
+        """An external handle's state, as the registry names it (never unloaded: its owner loaded it for good)."""
+        if self.is_external:
+            handle = self.handle
+            self.state = LOADED if handle.engine is not None else FAILED if handle.error else LOADING
 
 
 class ModelRegistry:
@@ -121,6 +135,21 @@ class ModelRegistry:
         self._is_draining = False
         self._is_stopped = False
         self._reaper: threading.Thread | None = None
+
+    @classmethod
+    def serving(cls, handle: EngineHandle | Engine) -> ModelRegistry:
+        """A registry over one model whose engine someone else loads and owns (a test's engine, or a handle loading
+        on another thread): the model is `loading` until the handle has its engine, then `loaded` for good, or
+        `failed` with the handle's error. Its id is the handle's served name (the engine's model name)."""
+        if isinstance(handle, Engine):
+            engine, handle = handle, EngineHandle()
+            handle.set_engine(engine)
+        config = handle.engine.config if handle.engine is not None else EngineConfig()
+        registry = cls([ModelSpec(handle.served_model_name, config)])
+        entry = registry._entries[registry.default_id]
+        registry._entries[registry.default_id] = external = _Entry(entry.spec, handle)
+        external.sync()
+        return registry
 
     # -- what is served ------------------------------------------------------------------------------------------
     @property
@@ -148,16 +177,18 @@ class ModelRegistry:
     def status(self, model: str | None = None) -> ModelStatus:
         with self._lock:
             entry = self._entries[self.resolve(model)]
+            entry.sync()
             idle = time.monotonic() - entry.last_used if entry.state == LOADED and not entry.num_leases else None
             return ModelStatus(entry.spec.id, entry.state, entry.handle.error, entry.num_leases, entry.num_loads,
-                               entry.num_unloads, entry.last_load_s, idle)
+                               entry.num_unloads, entry.last_load_s, idle, dict(entry.unloads_by_reason))
 
     def statuses(self) -> list[ModelStatus]:
         return [self.status(model_id) for model_id in self._entries]
 
     @property
     def is_draining(self) -> bool:
-        return self._is_draining
+        # An external handle may be drained by its owner (a test, a Ray replica) rather than through drain().
+        return self._is_draining or any(entry.handle.is_draining for entry in self._entries.values())
 
     # -- life ----------------------------------------------------------------------------------------------------
     def start(self, preload: Sequence[str] = ()) -> ModelRegistry:
@@ -235,23 +266,24 @@ class ModelRegistry:
     def _try_lease(self, model_id: str) -> Lease | None:
         """Under the lock: a lease now, or None after starting whatever must happen first (a load, an eviction)."""
         entry = self._entries[model_id]
-        if self._is_draining or self._is_stopped:
+        entry.sync()
+        if self.is_draining or self._is_stopped:
             raise DrainingError("the server is shutting down and takes no new requests; retry shortly")
         if entry.state == LOADED:
             entry.num_leases += 1
             entry.last_used = time.monotonic()
             return Lease(self, model_id, entry.handle.engine)
         if entry.state == FAILED:
-            raise ModelLoadError(f"model `{model_id}` failed to load: {entry.handle.error}")
-        if entry.state == LOADING and not entry.on_demand:
-            raise ModelNotReadyError(f"model `{model_id}` is still loading; retry shortly")
+            raise ModelFailedError(f"model `{model_id}` failed to load: {entry.handle.error}", "model")
+        if entry.state == LOADING and (entry.is_external or not entry.on_demand):
+            raise ModelNotReadyError(f"model `{model_id}` is still loading; retry shortly", "model")
         if entry.state == UNLOADED:
             if self._has_room():
                 self._begin_load(entry, on_demand=True)
             else:
                 victim = self._least_recently_used_idle()
                 if victim is not None:
-                    self._begin_unload(victim, f"least recently used idle model, making room for `{model_id}` "
+                    self._begin_unload(victim, "evicted", f"least recently used idle model, making room for `{model_id}` "
                                                f"(--max-loaded {self.max_loaded})")
         return None  # loading, unloading, or waiting for a loaded model to become idle
 
@@ -310,8 +342,9 @@ class ModelRegistry:
                 logger.info("model `%s` loaded in %.1f s", entry.spec.id, entry.last_load_s)
             self._notify()
 
-    def _begin_unload(self, entry: _Entry, reason: str) -> None:
+    def _begin_unload(self, entry: _Entry, kind: str, reason: str) -> None:
         engine = entry.handle.engine
+        entry.unloads_by_reason[kind] = entry.unloads_by_reason.get(kind, 0) + 1
         entry.state = UNLOADING
         entry.handle.clear()
         logger.info("unloading model `%s`: %s", entry.spec.id, reason)
@@ -345,7 +378,8 @@ class ModelRegistry:
                         entry.last_used = now
                         next_check = now + keep_alive if next_check is None else min(next_check, now + keep_alive)
                     else:
-                        self._begin_unload(entry, f"idle for {now - entry.last_used:.0f} s (keep-alive {keep_alive:g} s)")
+                        idle_s = now - entry.last_used
+                        self._begin_unload(entry, "idle", f"idle for {idle_s:.0f} s (keep-alive {keep_alive:g} s)")
                 self._lock.wait(None if next_check is None else next_check - now)
 
     def _notify(self) -> None:
