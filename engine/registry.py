@@ -165,10 +165,16 @@ class ModelRegistry:
         """The id a request's `model` names: empty or None means the default; an unknown one raises."""
         if not model:
             return self.default_id
+        entry = self._entries.get(model) or self._entries[self.default_id]
+        if entry.is_external and entry.handle.engine is None:
+            return entry.spec.id  # someone else's model, not loaded yet: what it will be called is not known
         if model not in self._entries:
             served = ", ".join(f"`{i}`" for i in self._entries)
             raise UnknownModelError(f"The model `{model}` does not exist. This server serves {served}.", "model")
         return model
+
+    def spec(self, model: str | None = None) -> ModelSpec:
+        return self._entries[self.resolve(model)].spec
 
     def handle(self, model: str | None = None) -> EngineHandle:
         """The model's handle: its engine when loaded (else None), its load error when it failed."""
