@@ -19,7 +19,7 @@ from engine import Engine
 from engine.registry import Lease, ModelRegistry
 
 from api.auth import authorize
-from api.errors import OpenAIError, model_loading, shutting_down, to_openai_error
+from api.errors import OpenAIError, shutting_down, to_openai_error
 from api.metrics import Metrics, ModelMetrics
 
 logger = logging.getLogger("api")
@@ -74,15 +74,6 @@ class RouteContext:
         self.api_key = api_key or None
         self.metrics = Metrics(models)
         self.created = int(time.time())
-
-    @property
-    def handle(self):
-        """The default model's handle (the first one served)."""
-        return self.models.handle()
-
-    @property
-    def model_name(self) -> str:
-        return self.models.default_id
 
     @property
     def is_draining(self) -> bool:
