@@ -86,6 +86,7 @@ class Lease:
     def release(self) -> None:
         if not self._released:
             self._released = True
+            self.engine = None  # a released lease kept somewhere must not keep an unloaded model's memory
             self.registry._release(self.model_id)
 
     def __enter__(self) -> Lease:
@@ -354,10 +355,13 @@ class ModelRegistry:
         entry.state = UNLOADING
         entry.handle.clear()
         logger.info("unloading model `%s`: %s", entry.spec.id, reason)
-        threading.Thread(target=self._unload_entry, args=(entry, engine), name=f"tern-unload-{entry.spec.id}",
+        # In a list the thread empties: a Thread keeps its args until its target returns, which would keep the
+        # engine (and every tensor of it) alive through the memory's return below.
+        threading.Thread(target=self._unload_entry, args=(entry, [engine]), name=f"tern-unload-{entry.spec.id}",
                          daemon=True).start()
 
-    def _unload_entry(self, entry: _Entry, engine: Engine) -> None:
+    def _unload_entry(self, entry: _Entry, holder: list[Engine]) -> None:
+        engine = holder.pop()
         engine.stop()
         del engine
         _return_freed_memory()
