@@ -23,9 +23,10 @@ _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS", "TRACE",
 
 def build_router(served: ModelRegistry | EngineHandle | Engine, api_key: str | None = None,
                  max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> APIRouter:
-    """All API routes over the registry's models (a handle or an engine: that one model, loaded by its owner). With api_key, every route that runs the model or its tokenizer needs
-    `Authorization: Bearer <key>` (or, on /v1/messages, `x-api-key: <key>`); /health, /ready and /metrics
-    (api.route_context.OPEN_PATHS) stay open for probes. max_stored_responses bounds the Responses API's store
+    """All API routes over the registry's models (a handle or an engine: that one model, loaded by its owner). With
+    api_key, every route that runs a model or its tokenizer needs `Authorization: Bearer <key>` (or, on
+    /v1/messages, `x-api-key: <key>`); /health, /ready and /metrics (api.route_context.OPEN_PATHS) stay open for
+    probes. max_stored_responses bounds the Responses API's store
     (api/responses/store.py)."""
     registry = served if isinstance(served, ModelRegistry) else ModelRegistry.serving(served)
     context = RouteContext(registry, api_key)

@@ -8,114 +8,23 @@ models served on). A model is never unloaded while a lease on it is held or its 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import gc
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.errors import DrainingError, EngineError, ModelLoadError
+from engine.errors import DrainingError, ModelLoadError
 from engine.handle import EngineHandle
+from engine.model_slot import (FAILED, LOADED, LOADING, UNLOADED, UNLOADING, Lease, ModelFailedError,
+                               ModelNotReadyError, ModelSlot, ModelSpec, ModelStatus, UnknownModelError, has_room,
+                               least_recently_used_idle, load_engine, return_freed_memory)
+
+__all__ = ["FAILED", "LOADED", "LOADING", "UNLOADED", "UNLOADING", "Lease", "ModelFailedError", "ModelNotReadyError",
+           "ModelRegistry", "ModelSpec", "ModelStatus", "UnknownModelError", "load_engine"]
 
 logger = logging.getLogger(__name__)
-
-UNLOADED, LOADING, LOADED, UNLOADING, FAILED = "unloaded", "loading", "loaded", "unloading", "failed"
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One served model: the id clients name it by, how its engine is built, and how long it may sit idle loaded
-    (None: never unloaded for idleness; it may still be evicted to make room under max_loaded)."""
-
-    id: str
-    config: EngineConfig
-    keep_alive_s: float | None = None
-
-
-class UnknownModelError(EngineError):
-    """A request named a model this server does not serve; the message names the ones it does."""
-
-
-class ModelNotReadyError(EngineError):
-    """The model is still loading at start-up (loaded on purpose, not on demand): retry shortly."""
-
-
-class ModelFailedError(ModelLoadError):
-    """A served model failed to load; the message names it and says why (the others serve on)."""
-
-
-@dataclass(frozen=True)
-class ModelStatus:
-    """One model as /v1/models, /metrics and the UI show it."""
-
-    id: str
-    state: str
-    error: str | None  # why it failed to load
-    num_leases: int  # requests (and UI actions) using it now
-    num_loads: int
-    num_unloads: int
-    last_load_s: float | None  # how long its last load took
-    idle_s: float | None  # since its last lease ended, when loaded and unused
-    unloads_by_reason: dict[str, int]  # "idle" (its keep-alive passed), "evicted" (room for another, max_loaded)
-
-
-def load_engine(config: EngineConfig) -> Engine:
-    """An engine started and at full speed: where the decode step compiles, it is built before the engine serves."""
-    engine = Engine(config).start()
-    if engine.info().decode_step == "compiling":
-        # Ready means full speed: until the compiled step is built the eager one would serve at a fifth of its
-        # speed, with the compile taking the cores from it, so the model is not ready until it is done.
-        logger.info("building the compiled decode step before serving (seconds when the inductor cache has it, "
-                    "minutes on a machine's first start)")
-        engine.wait_for_compiled_decode()
-    return engine
-
-
-class Lease:
-    """The right to use one model's engine until release(); while any lease on it is held it is not unloaded.
-    Release is idempotent; a lease is also a context manager."""
-
-    def __init__(self, registry: ModelRegistry, model_id: str, engine: Engine) -> None:
-        self.registry, self.model_id, self.engine = registry, model_id, engine
-        self._released = False
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self.engine = None  # a released lease kept somewhere must not keep an unloaded model's memory
-            self.registry._release(self.model_id)
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-class _Entry:
-    def __init__(self, spec: ModelSpec, handle: EngineHandle | None = None) -> None:
-        self.spec = spec
-        # A handle given from outside (ModelRegistry.serving) is loaded by its owner: the entry only mirrors it.
-        self.is_external = handle is not None
-        self.handle = handle or EngineHandle(spec.id)
-        self.state = UNLOADED
-        self.on_demand = False  # this load was asked for by a request, which waits for it
-        self.num_leases = 0
-        self.num_waiting = 0  # requests waiting for a lease on it
-        self.last_used = time.monotonic()
-        self.num_loads = self.num_unloads = 0
-        self.last_load_s: float | None = None
-        self.unloads_by_reason: dict[str, int] = {}  # "idle" (keep-alive) or "evicted" (max_loaded)
-
-    def sync(self) -> None:
-        """An external handle's state, as the registry names it (never unloaded: its owner loaded it for good)."""
-        if self.is_external:
-            handle = self.handle
-            self.state = LOADED if handle.engine is not None else FAILED if handle.error else LOADING
 
 
 class ModelRegistry:
@@ -130,7 +39,7 @@ class ModelRegistry:
             raise ValueError(f"max_loaded must be at least 1, got {max_loaded}")
         self.max_loaded = max_loaded
         self._load = load
-        self._entries = {spec.id: _Entry(spec) for spec in specs}
+        self._entries = {spec.id: ModelSlot(spec) for spec in specs}
         self._lock = threading.Condition()
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._is_draining = False
@@ -147,9 +56,7 @@ class ModelRegistry:
             handle.set_engine(engine)
         config = handle.engine.config if handle.engine is not None else EngineConfig()
         registry = cls([ModelSpec(handle.served_model_name, config)])
-        entry = registry._entries[registry.default_id]
-        registry._entries[registry.default_id] = external = _Entry(entry.spec, handle)
-        external.sync()
+        registry._entries[registry.default_id] = ModelSlot(registry.spec(), handle)
         return registry
 
     # -- what is served ------------------------------------------------------------------------------------------
@@ -183,11 +90,7 @@ class ModelRegistry:
 
     def status(self, model: str | None = None) -> ModelStatus:
         with self._lock:
-            entry = self._entries[self.resolve(model)]
-            entry.sync()
-            idle = time.monotonic() - entry.last_used if entry.state == LOADED and not entry.num_leases else None
-            return ModelStatus(entry.spec.id, entry.state, entry.handle.error, entry.num_leases, entry.num_loads,
-                               entry.num_unloads, entry.last_load_s, idle, dict(entry.unloads_by_reason))
+            return self._entries[self.resolve(model)].status()
 
     def statuses(self) -> list[ModelStatus]:
         return [self.status(model_id) for model_id in self._entries]
@@ -285,13 +188,13 @@ class ModelRegistry:
         if entry.state == LOADING and (entry.is_external or not entry.on_demand):
             raise ModelNotReadyError(f"model `{model_id}` is still loading; retry shortly", "model")
         if entry.state == UNLOADED:
-            if self._has_room():
+            if has_room(self._entries.values(), self.max_loaded):
                 self._begin_load(entry, on_demand=True)
             else:
-                victim = self._least_recently_used_idle()
+                victim = least_recently_used_idle(self._entries.values())
                 if victim is not None:
-                    self._begin_unload(victim, "evicted", f"least recently used idle model, making room for `{model_id}` "
-                                               f"(--max-loaded {self.max_loaded})")
+                    why = f"least recently used idle model, room for `{model_id}` (--max-loaded {self.max_loaded})"
+                    self._begin_unload(victim, "evicted", why)
         return None  # loading, unloading, or waiting for a loaded model to become idle
 
     def _release(self, model_id: str) -> None:
@@ -302,27 +205,12 @@ class ModelRegistry:
             self._notify()
 
     # -- loading and unloading -----------------------------------------------------------------------------------
-    def _has_room(self) -> bool:
-        if self.max_loaded is None:
-            return True
-        taken = sum(entry.state in (LOADING, LOADED, UNLOADING) for entry in self._entries.values())
-        return taken < self.max_loaded
-
-    def _least_recently_used_idle(self) -> _Entry | None:
-        idle = [entry for entry in self._entries.values() if entry.state == LOADED and self._is_idle(entry)]
-        return min(idle, key=lambda entry: entry.last_used, default=None)
-
-    @staticmethod
-    def _is_idle(entry: _Entry) -> bool:
-        # The engine's own count too: a request submitted outside a lease is never cut off either.
-        return entry.num_leases == 0 and entry.num_waiting == 0 and not entry.handle.engine.has_requests
-
-    def _begin_load(self, entry: _Entry, on_demand: bool) -> None:
+    def _begin_load(self, entry: ModelSlot, on_demand: bool) -> None:
         entry.state, entry.on_demand = LOADING, on_demand
         entry.handle.error = None
         threading.Thread(target=self._load_entry, args=(entry,), name=f"tern-load-{entry.spec.id}", daemon=True).start()
 
-    def _load_entry(self, entry: _Entry) -> None:
+    def _load_entry(self, entry: ModelSlot) -> None:
         started = time.monotonic()
         logger.info("loading model `%s` (%s)", entry.spec.id, "on demand" if entry.on_demand else "at start")
         engine, error = None, None
@@ -349,7 +237,7 @@ class ModelRegistry:
                 logger.info("model `%s` loaded in %.1f s", entry.spec.id, entry.last_load_s)
             self._notify()
 
-    def _begin_unload(self, entry: _Entry, kind: str, reason: str) -> None:
+    def _begin_unload(self, entry: ModelSlot, kind: str, reason: str) -> None:
         engine = entry.handle.engine
         entry.unloads_by_reason[kind] = entry.unloads_by_reason.get(kind, 0) + 1
         entry.state = UNLOADING
@@ -360,11 +248,9 @@ class ModelRegistry:
         threading.Thread(target=self._unload_entry, args=(entry, [engine]), name=f"tern-unload-{entry.spec.id}",
                          daemon=True).start()
 
-    def _unload_entry(self, entry: _Entry, holder: list[Engine]) -> None:
-        engine = holder.pop()
-        engine.stop()
-        del engine
-        _return_freed_memory()
+    def _unload_entry(self, entry: ModelSlot, holder: list[Engine]) -> None:
+        holder.pop().stop()  # the last reference to the engine goes with the call
+        return_freed_memory()
         with self._lock:
             entry.state = UNLOADED
             entry.num_unloads += 1
@@ -403,13 +289,3 @@ class ModelRegistry:
 def _resolve(waiter: asyncio.Future) -> None:
     if not waiter.done():  # a cancelled waiter (its client left) is simply dropped
         waiter.set_result(None)
-
-
-def _return_freed_memory() -> None:
-    """Give an unloaded model's memory back to the system: collect its tensors' cycles, then ask glibc to return the
-    freed heap (large tensors are mmap'd and go back at once; smaller ones stay in malloc's arenas otherwise)."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: what it keeps, it keeps
-        pass

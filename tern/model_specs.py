@@ -36,7 +36,8 @@ class SettingsError(ValueError):
 
 
 def model_specs(models: list[str] | None, models_file: str | None, base: EngineConfig,
-                served_model_name: str | None = None, keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S) -> list[ModelSpec]:
+                served_model_name: str | None = None,
+                keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S) -> list[ModelSpec]:
     """The specs, first the default one (a request that names no model gets it; it loads at start). `models`: the
     --model values (None or empty: the default model); `base`: the engine options every model shares."""
     if models and models_file:
