@@ -84,6 +84,17 @@ def test_models_are_listed_with_their_state_and_each_id_answers_as_itself(server
     assert default.model == DEFAULT
     card = client.models.retrieve(TINY_A)
     assert card.state == "loaded" and card.max_model_len == 512  # its own --models options
+    info = httpx.get(f"{server}/tokenizer_info", params={"model": TINY_A}, timeout=30).json()
+    assert info["model_max_length"] == 512
+
+
+def test_a_stored_response_continues_on_another_model(client):
+    first = client.responses.create(model=TINY_A, input="Hi", max_output_tokens=3, temperature=0)
+    second = client.responses.create(model=DEFAULT, input="And?", previous_response_id=first.id,
+                                     max_output_tokens=3, temperature=0)
+    assert (first.model, second.model) == (TINY_A, DEFAULT)
+    assert second.usage.input_tokens > client.responses.create(model=DEFAULT, input="And?", max_output_tokens=3,
+                                                               temperature=0).usage.input_tokens  # history included
 
 
 def test_a_model_loads_on_demand_while_another_streams_uninterrupted(server, client):
