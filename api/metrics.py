@@ -80,8 +80,8 @@ class _ModelsCollector:
         unloads = CounterMetricFamily("tern_model_unloads", "Times the model was unloaded, by reason: idle (its "
                                       "keep-alive passed) or evicted (room for another under --max-loaded)",
                                       labels=["model", "reason"])
-        load_seconds = GaugeMetricFamily("tern_model_load_seconds", "How long the model's last load took",
-                                         labels=["model"])
+        load_seconds = CounterMetricFamily("tern_model_load_seconds", "Seconds spent loading the model, every load "
+                                           "added up (over tern_model_loads_total: the mean load)", labels=["model"])
         leases = GaugeMetricFamily("tern_model_leases", "Requests holding the model loaded now (from their lookup of "
                                    "it until their response has ended)", labels=["model"])
         for status in statuses:
@@ -91,8 +91,7 @@ class _ModelsCollector:
             loads.add_metric([status.id], status.num_loads)
             for reason in ("idle", "evicted"):
                 unloads.add_metric([status.id, reason], status.unloads_by_reason.get(reason, 0))
-            if status.last_load_s is not None:
-                load_seconds.add_metric([status.id], status.last_load_s)
+            load_seconds.add_metric([status.id], status.total_load_s)
             leases.add_metric([status.id], status.num_leases)
         yield from (loaded, state, loads, unloads, load_seconds, leases)
         yield from _engine_families([(s.id, self.models.handle(s.id).engine) for s in statuses])

@@ -59,6 +59,7 @@ class ModelStatus:
     last_load_s: float | None  # how long its last load took
     idle_s: float | None  # since its last lease ended, when loaded and unused
     unloads_by_reason: dict[str, int]  # "idle" (its keep-alive passed), "evicted" (room for another, max_loaded)
+    total_load_s: float = 0.0  # every load's seconds, added up
 
 
 def load_engine(config: EngineConfig) -> Engine:
@@ -110,6 +111,7 @@ class ModelSlot:
         self.last_used = time.monotonic()
         self.num_loads = self.num_unloads = 0
         self.last_load_s: float | None = None
+        self.total_load_s = 0.0
         self.unloads_by_reason: dict[str, int] = {}  # "idle" (keep-alive) or "evicted" (max_loaded)
 
     def sync(self) -> None:
@@ -122,7 +124,7 @@ class ModelSlot:
         self.sync()
         idle = time.monotonic() - self.last_used if self.state == LOADED and not self.num_leases else None
         return ModelStatus(self.spec.id, self.state, self.handle.error, self.num_leases, self.num_loads,
-                           self.num_unloads, self.last_load_s, idle, dict(self.unloads_by_reason))
+                           self.num_unloads, self.last_load_s, idle, dict(self.unloads_by_reason), self.total_load_s)
 
 
 def has_room(slots: Iterable[ModelSlot], max_loaded: int | None) -> bool:

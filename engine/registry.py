@@ -234,6 +234,7 @@ class ModelRegistry:
                 entry.state, entry.last_used = LOADED, time.monotonic()
                 entry.num_loads += 1
                 entry.last_load_s = entry.last_used - started
+                entry.total_load_s += entry.last_load_s
                 entry.handle.set_engine(engine)  # drained at once if the server drains
                 logger.info("model `%s` loaded in %.1f s", entry.spec.id, entry.last_load_s)
             self._notify()

@@ -142,11 +142,13 @@ def test_the_least_recently_used_idle_model_is_evicted_for_a_newcomer(server, cl
 
 def test_an_idle_model_unloads_after_its_keep_alive_and_loads_again_when_asked(server, client):
     loads = metric(server, f'tern_model_loads_total{{model="{TINY_B}"}}')
+    load_seconds = metric(server, f'tern_model_load_seconds_total{{model="{TINY_B}"}}')
     ask(client, TINY_B)
     wait_for_state(server, TINY_B, "unloaded")  # its keep_alive: 2 s
     assert metric(server, f'tern_model_unloads_total{{model="{TINY_B}",reason="idle"}}') >= 1
     assert ask(client, TINY_B).model == TINY_B
     assert metric(server, f'tern_model_loads_total{{model="{TINY_B}"}}') >= loads + 1
+    assert metric(server, f'tern_model_load_seconds_total{{model="{TINY_B}"}}') > load_seconds
     assert httpx.get(f"{server}/health", timeout=30).status_code == 200  # liveness never fails for an idle model
 
 
