@@ -33,8 +33,8 @@ class Metrics:
     def __init__(self, models: ModelRegistry) -> None:
         self.registry = registry = CollectorRegistry()
         self.requests = Counter(
-            "tern_http_requests", "HTTP requests answered, by route, method and status", ["route", "method", "status"],
-            registry=registry,
+            "tern_http_requests", "HTTP requests answered, by route, method, status and the model asked for (empty: "
+            "none, or an unknown one)", ["route", "method", "status", "model"], registry=registry,
         )
         self.prompt_tokens = Counter("tern_prompt_tokens", "Prompt tokens submitted to the engine", ["model"],
                                      registry=registry)

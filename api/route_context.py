@@ -51,8 +51,16 @@ class RequestIDMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-# The leases the request being handled holds: set by the route class, filled by RouteContext.serve.
-_request_leases: contextvars.ContextVar[list[Lease]] = contextvars.ContextVar("tern_request_leases")
+class _RequestModels:
+    """What the request being handled asked of the registry: the model it named (for its metrics line, even when
+    that model failed) and the leases it holds. Set by the route class, filled by RouteContext.serve."""
+
+    def __init__(self) -> None:
+        self.model_id = ""
+        self.leases: list[Lease] = []
+
+
+_request_models: contextvars.ContextVar[_RequestModels] = contextvars.ContextVar("tern_request_models")
 
 
 @dataclass(frozen=True)
@@ -89,12 +97,14 @@ class RouteContext:
         others go on). Unknown: 404 naming the served ones; failed to load: 503 with why; the first model still
         loading at start: 503, retry shortly. It stays loaded until this request's response has ended: the route
         class releases the lease then, the client having read it all or gone."""
-        leases = _request_leases.get(None)
+        asked = _request_models.get(None)
+        if asked is not None:
+            asked.model_id = self.models.resolve(model)  # an unknown one raises: a 404, counted without a model
         lease = await self.models.acquire_async(model)
-        if leases is None:  # a route outside ServedRoute (none today): nothing would release it, so hold none
+        if asked is None:  # a route outside ServedRoute (none today): nothing would release it, so hold none
             lease.release()
         else:
-            leases.append(lease)
+            asked.leases.append(lease)
         return Served(lease.engine, lease.model_id, self.metrics.of(lease.model_id))
 
     def route_class(self, error_response: Callable[[OpenAIError], Response] = OpenAIError.response,
@@ -121,8 +131,8 @@ def _served(handler, route_path: str, context: RouteContext, error_response: Cal
         request_id = getattr(request.state, "request_id", None) or _request_id(request.headers.get("x-request-id", ""))
         request.state.request_id = request_id
         started = time.perf_counter()
-        leases: list[Lease] = []
-        token = _request_leases.set(leases)
+        asked = _RequestModels()
+        token = _request_models.set(asked)
         try:
             if needs_key:
                 authorize(request, context.api_key, takes_x_api_key)
@@ -135,12 +145,12 @@ def _served(handler, route_path: str, context: RouteContext, error_response: Cal
                 logger.info("%s: %d %s (param %s)", request_id, error.status_code, error.message, error.param)
             response = error_response(error)
         finally:
-            _request_leases.reset(token)
+            _request_models.reset(token)
         response.headers["X-Request-ID"] = request_id
-        context.metrics.requests.labels(route_path, request.method, str(response.status_code)).inc()
+        context.metrics.requests.labels(route_path, request.method, str(response.status_code), asked.model_id).inc()
         elapsed_ms = (time.perf_counter() - started) * 1000
         logger.info('%s "%s %s" %d %.0f ms', request_id, request.method, request.url.path, response.status_code, elapsed_ms)
-        return _HoldingLeases(response, leases) if leases else response
+        return _HoldingLeases(response, asked.leases) if asked.leases else response
 
     return handle
 

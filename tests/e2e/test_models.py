@@ -153,6 +153,8 @@ def test_an_idle_model_unloads_after_its_keep_alive_and_loads_again_when_asked(s
 
 
 def test_a_model_that_fails_to_load_says_why_and_the_others_serve_on(server, client):
+    refused = 'tern_http_requests_total{method="POST",model="broken",route="/v1/chat/completions",status="503"}'
+    before = metric(server, refused)
     with pytest.raises(openai.APIStatusError) as caught:
         ask(client, BROKEN)
     assert caught.value.status_code == 503
@@ -160,6 +162,7 @@ def test_a_model_that_fails_to_load_says_why_and_the_others_serve_on(server, cli
     assert f"`{BROKEN}`" in message and "config.json" in message  # which model, and why
     card = next(c for c in httpx.get(f"{server}/v1/models", timeout=30).json()["data"] if c["id"] == BROKEN)
     assert card["state"] == "failed" and "config.json" in card["error"]
+    assert metric(server, refused) == before + 1  # counted under the model it named
     assert ask(client, TINY_A).model == TINY_A
 
 
