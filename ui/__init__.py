@@ -39,6 +39,7 @@ if "gradio" not in sys.modules:
 import gradio as gr  # noqa: E402
 
 from engine import EngineHandle
+from engine.registry import ModelRegistry
 from ui.chat import build_chat_tab
 from ui.complete import build_complete_tab
 from ui.scoring import build_scoring_tab
@@ -82,8 +83,10 @@ PAGE_CSS = """
 """
 
 
-def build_ui(handle: EngineHandle) -> gr.Blocks:
-    """The whole UI; handlers reach the engine through `handle`, so it can be built before the model loads."""
+def build_ui(models: ModelRegistry | EngineHandle) -> gr.Blocks:
+    """The whole UI; handlers reach the engine through the default model's handle, so it can be built before the
+    model loads."""
+    handle = models.handle() if isinstance(models, ModelRegistry) else models
     # analytics_enabled=False: Gradio would otherwise report usage and check its version over the internet at
     # every start (two threads, and traffic an operator did not ask for); the server stays on its machine.
     with gr.Blocks(title="Tern", analytics_enabled=False) as blocks:

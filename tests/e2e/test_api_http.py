@@ -51,14 +51,19 @@ def assert_error_shape(response: httpx.Response) -> dict:
 
 
 def metrics(http: httpx.Client) -> dict[str, float]:
-    """Every sample of /metrics as "name{label=value,...}" -> value."""
+    """Every sample of /metrics as "name{label=value,...}" -> value, the `model` label left out: this server serves
+    one model, so each model series has one sample, labelled with its id; HTTP requests are counted under it or, when
+    they named no model (or got no further than its check), under "", and the two are added up here."""
     response = http.get("/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    model_id = http.get("/v1/models").json()["data"][0]["id"]
     samples = {}
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+            assert sample.labels.get("model", model_id) in (model_id, "")  # "": a request that named none
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model")
+            key = f"{sample.name}{{{labels}}}" if labels else sample.name
+            samples[key] = samples.get(key, 0.0) + sample.value
     return samples
 
 
