@@ -1,54 +1,77 @@
-"""Tern: one process serving the OpenAI-compatible API at /v1 and the Gradio UI at /, over one engine.
+"""Tern: one process serving the OpenAI-compatible API at /v1 and the Gradio UI at /, over one engine per model.
 
-The entry point only: settings (tern/settings.py: every flag and its TERN_* environment variable) -> the checkpoint
-resolved -> EngineHandle (the engine loads on a thread from here on) -> the app (tern/factory.py) under uvicorn.
+The entry point only: settings (tern/settings.py: every flag and its TERN_* environment variable; the models from
+--model or --models, tern/model_specs.py) -> the checkpoints checked -> the ModelRegistry (the first model loads on a
+thread from here on) -> the app (tern/factory.py) under uvicorn.
 """
 from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 from api.shutdown import FLUSH_TIMEOUT_S, DrainingServer
-from engine import EngineHandle, ModelLoadError
-from tern.factory import create_app, start_loading
-from tern.settings import parse_args
+from engine import ModelLoadError
+from engine.registry import ModelRegistry, ModelSpec
+from tern.factory import create_app
+from tern.settings import SettingsError, parse_args
 
 logger = logging.getLogger("tern")
 
 
 def main(argv: list[str] | None = None) -> int:
-    server, engine_config, prepare_only = parse_args(argv)
+    try:
+        server, specs, prepare_only = parse_args(argv)
+    except SettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine import kernels
-    from engine.weights import checkpoint
 
-    cache_dir = engine_config.cache_path
-    if engine_config.device != "cuda":
+    cache_dir = specs[0].config.cache_path
+    if any(spec.config.device != "cuda" for spec in specs):
         kernels.prebuild(cache_dir)  # a first start compiles them while it converts the model
-    # Resolve (and on first start, convert) the checkpoint before serving, so a bad --model is one clear line.
     try:
-        folder, _ = checkpoint.resolve_checkpoint(engine_config.model, cache_dir)
+        check_checkpoints(specs, convert=prepare_only or len(specs) == 1)
     except ModelLoadError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
     if prepare_only:
         kernels.select(cache_dir)  # built now, so a container's first start does not compile them
-        logger.info("model ready at %s", folder)
+        logger.info("%s ready", ", ".join(f"`{spec.id}`" for spec in specs))
         return 0
 
     # Loading is mostly C++ and file reads, building the web app (importing Gradio, FastAPI and the UI) is Python:
-    # started first, the weights load while the app is built, instead of after it.
-    handle = EngineHandle(server.served_model_name)
-    start_loading(handle, engine_config)
+    # started first, the first model's weights load while the app is built, instead of after it. The others load
+    # when a request first names them.
+    registry = ModelRegistry(specs, max_loaded=server.max_loaded if len(specs) > 1 else None)
+    registry.start(preload=[registry.default_id])
     import uvicorn
 
-    app = create_app(server, engine_config, handle)
+    app = create_app(server, registry=registry)
     # h11 and asyncio whatever else is installed: uvicorn's "auto" picks httptools and uvloop when present (Ray
     # brings them, requirements-ray.txt), and the server would then parse and schedule differently from the image.
     config = uvicorn.Config(app, host=server.host, port=server.port, log_level=server.log_level,
                             timeout_graceful_shutdown=FLUSH_TIMEOUT_S, http="h11", loop="asyncio")
-    DrainingServer(config, app.state.handle, server.drain_timeout_s).run()  # returns once drained
+    DrainingServer(config, registry, server.drain_timeout_s).run()  # returns once drained
     return 0
+
+
+def check_checkpoints(specs: list[ModelSpec], convert: bool) -> None:
+    """Before serving, so a bad model is one clear line rather than a server that cannot serve it. convert (one
+    model, or --prepare-only): resolve each checkpoint, converting it on a first start, as a single-model server
+    always has. Several models: only check that each local path exists; one that exists but does not load fails
+    when first asked for, with its reason, and the others serve on."""
+    from engine.weights import checkpoint
+
+    for spec in specs:
+        if convert:
+            checkpoint.resolve_checkpoint(spec.config.model, spec.config.cache_path)
+            continue
+        model = spec.config.model
+        looks_local = model is not None and (model.startswith((".", "/", "~")) or model.endswith(".gguf"))
+        if looks_local and not Path(model).expanduser().exists():
+            raise ModelLoadError(f"model `{spec.id}`: {model} does not exist")
 
 
 if __name__ == "__main__":

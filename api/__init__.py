@@ -5,7 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.routing import APIRoute
 
-from engine import EngineHandle
+from engine import Engine, EngineHandle
+from engine.registry import ModelRegistry
 
 from api import anthropic, chat, completions, embeddings, models, responses, scoring, tokenize
 from api.auth import bearer_scheme
@@ -20,13 +21,15 @@ __all__ = ["APICORSMiddleware", "BodySizeLimitMiddleware", "RequestIDMiddleware"
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS", "TRACE", "QUERY"]  # QUERY: the HTTP draft
 
 
-def build_router(handle: EngineHandle, api_key: str | None = None,
+def build_router(served: ModelRegistry | EngineHandle | Engine, api_key: str | None = None,
                  max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> APIRouter:
-    """All API routes over one engine handle. With api_key, every route that runs the model or its tokenizer needs
-    `Authorization: Bearer <key>` (or, on /v1/messages, `x-api-key: <key>`); /health, /ready and /metrics
-    (api.route_context.OPEN_PATHS) stay open for probes. max_stored_responses bounds the Responses API's store
+    """All API routes over the registry's models (a handle or an engine: that one model, loaded by its owner). With
+    api_key, every route that runs a model or its tokenizer needs `Authorization: Bearer <key>` (or, on
+    /v1/messages, `x-api-key: <key>`); /health, /ready and /metrics (api.route_context.OPEN_PATHS) stay open for
+    probes. max_stored_responses bounds the Responses API's store
     (api/responses/store.py)."""
-    context = RouteContext(handle, api_key)
+    registry = served if isinstance(served, ModelRegistry) else ModelRegistry.serving(served)
+    context = RouteContext(registry, api_key)
     route_class = context.route_class()
     # The bearer dependency only documents the key in /openapi.json; the route class checks it.
     # Anthropic's routes answer every error in Anthropic's envelope; included before /v1's catch-all.

@@ -150,17 +150,21 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str
-    max_model_len: int = Field(description="Longest prompt + completion, in tokens.")
-    dtype: str = Field(description="Compute dtype, e.g. bfloat16.")
-    quantization: str = Field(description="Weight quantization mode: none, int8, int4, bnb-int8, bnb-nf4 or bnb-fp4 "
-                              "(what --quantization auto chose, when it was auto).")
-    weight_bytes: int = Field(description="Bytes the weights occupy, quantized storage and scales included.")
-    weight_ratio_to_bf16: float = Field(description="weight_bytes over the same weights in bf16.")
-    compiled_decode: bool = Field(description="Whether decode steps run under torch.compile (--compile).")
-    decode_step: str = Field(description="native (Tern's C++ decode step), compiled, compiling (the eager step "
-                             "serves until the compiled one is ready) or eager.")
-    cpu_kernels: str = Field(description="The CPU kernel path and what serves each kind of work, e.g. "
-                             "`avx2 (int8: avx2, int4: avx2, bf16: aten, decode attention: avx2)`.")
+    state: str = Field("loaded", description="loaded, loading, unloaded (loads when a request names it), unloading "
+                       "or failed (see error). The engine's fields below are null unless loaded.")
+    error: str | None = Field(None, description="Why the model failed to load.")
+    max_model_len: int | None = Field(None, description="Longest prompt + completion, in tokens.")
+    dtype: str | None = Field(None, description="Compute dtype, e.g. bfloat16.")
+    quantization: str | None = Field(None, description="Weight quantization mode: none, int8, int4, bnb-int8, bnb-nf4 "
+                                     "or bnb-fp4 (what --quantization auto chose, when it was auto).")
+    weight_bytes: int | None = Field(None, description="Bytes the weights occupy, quantized storage and scales "
+                                     "included.")
+    weight_ratio_to_bf16: float | None = Field(None, description="weight_bytes over the same weights in bf16.")
+    compiled_decode: bool | None = Field(None, description="Whether decode steps run under torch.compile (--compile).")
+    decode_step: str | None = Field(None, description="native (Tern's C++ decode step), compiled, compiling (the "
+                                    "eager step serves until the compiled one is ready) or eager.")
+    cpu_kernels: str | None = Field(None, description="The CPU kernel path and what serves each kind of work, e.g. "
+                                    "`avx2 (int8: avx2, int4: avx2, bf16: aten, decode attention: avx2)`.")
 
 
 class ModelList(BaseModel):

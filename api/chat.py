@@ -21,7 +21,7 @@ from api.response_format import AnswerFormat, chat_format, grammar_for
 from api.bodies import (
     ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatMessageOut, streamed,
 )
-from api.route_context import RouteContext
+from api.route_context import RouteContext, Served
 from api.sse import event_stream
 
 
@@ -33,15 +33,16 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
         summary="Create a chat completion",
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
-        engine = context.engine(body.model)
+        served = await context.serve(body.model)
+        engine = served.engine
         params = body.to_sampling_params()
         tools = chat_tools(body)
         messages = template_messages(body.messages)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         template_kwargs = reasoning.checked_template_kwargs(engine, body.chat_template_kwargs)
-        generation, split = await start_chat(context, engine, messages, params, tools,
+        generation, split = await start_chat(served, messages, params, tools,
                                              chat_format(body.response_format), response_id, request, template_kwargs)
-        head = {"id": response_id, "created": int(time.time()), "model": context.model_name}
+        head = {"id": response_id, "created": int(time.time()), "model": served.model_id}
         if body.stream:
             return event_stream(_chunks(generation, head, body, engine, tools, split))
         samples = await until_disconnected(request, generation.collect())
@@ -49,18 +50,19 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
         return ChatCompletion(**head, choices=choices, usage=generation.usage())
 
 
-async def start_chat(context: RouteContext, engine: Engine, messages: list[dict], params: SamplingParams,
+async def start_chat(served: Served, messages: list[dict], params: SamplingParams,
                      tools: function_tools.Tools, answer: AnswerFormat, response_id: str, request: Request,
                      template_kwargs: dict | None = None) -> tuple[Generation, ReplyReasoning | None]:
     """A chat's generation, submitted: the prompt rendered with the tools it may call (and the client's template
     variables), the reply's grammar compiled; with how its reply splits into reasoning and answer (None: it does
-    not). Chat and the Responses API both start here."""
+    not). Chat, the Responses API and Anthropic's Messages all start here."""
+    engine = served.engine
     constrained = reasoning.is_constrained(answer, tools)
     prompt_text, prompt_ids = chat_prompt(engine, messages, tools, constrained, template_kwargs)
     split = reasoning.reply_reasoning(engine, prompt_text, constrained)
     params = dataclasses.replace(params, grammar=await grammar_for(engine, answer, tools))
     try:
-        return Generation(engine, [prompt_ids], params, response_id, context.metrics, request.state.request_id), split
+        return Generation(engine, [prompt_ids], params, response_id, served.metrics, request.state.request_id), split
     except EngineError as exc:
         if exc.param == "prompt":  # the engine saw a prompt; the client sent messages
             exc.param = "messages"

@@ -29,7 +29,8 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
         summary="Create a completion",
     )
     async def create_completion(body: CompletionRequest, request: Request):
-        engine = context.engine(body.model)
+        served = await context.serve(body.model)
+        engine = served.engine
         params = body.to_sampling_params()
         prompts = body.prompts()
         if body.suffix is not None:
@@ -38,9 +39,9 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
             prompt_ids = [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
         params = dataclasses.replace(params, grammar=await grammar_for(engine, chat_format(body.response_format)))
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        generation = Generation(engine, prompt_ids, params, response_id, context.metrics, request.state.request_id)
+        generation = Generation(engine, prompt_ids, params, response_id, served.metrics, request.state.request_id)
         choices = _Choices(body, prompts, generation, engine)
-        head = {"id": response_id, "created": int(time.time()), "model": context.model_name}
+        head = {"id": response_id, "created": int(time.time()), "model": served.model_id}
         if body.stream:
             return event_stream(_chunks(generation, choices, head, body.include_usage))
         samples = await until_disconnected(request, generation.collect())

@@ -68,7 +68,8 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
         "method. Inputs are prefilled through the same scheduler as completions, beside running streams.",
     )
     async def create_embedding(body: EmbeddingRequest, request: Request) -> EmbeddingList:
-        engine = context.engine(body.model)
+        served = await context.serve(body.model)
+        engine = served.engine
         if body.dimensions is not None and body.dimensions != engine.hidden_size:
             message = (f"This model's embeddings have {engine.hidden_size} dimensions and cannot be shortened: "
                        f"send dimensions {engine.hidden_size} or leave it out (got {body.dimensions}).")
@@ -81,10 +82,10 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
                 exc.param = "input"
             raise
         num_tokens = sum(e.num_prompt_tokens for e in embeddings)
-        context.metrics.prompt_tokens.inc(num_tokens)
+        served.metrics.prompt_tokens.inc(num_tokens)
         logger.info("%s embeddings: %d inputs, %d tokens", request.state.request_id, len(embeddings), num_tokens)
         data = [EmbeddingData(index=i, embedding=_encoded(e, body.encoding_format)) for i, e in enumerate(embeddings)]
-        return EmbeddingList(data=data, model=context.model_name,
+        return EmbeddingList(data=data, model=served.model_id,
                              usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
 
 

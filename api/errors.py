@@ -17,6 +17,7 @@ from engine import (
     QueueFullError,
     StepFailedError,
 )
+from engine.registry import ModelFailedError, ModelNotReadyError, UnknownModelError
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,11 @@ def shutting_down(message: str = "the server is shutting down and takes no new r
 def _from_engine(exc: EngineError) -> OpenAIError:
     if isinstance(exc, DrainingError):
         return shutting_down()
+    if isinstance(exc, UnknownModelError):
+        return OpenAIError(404, exc.message, param="model", code="model_not_found")
+    if isinstance(exc, (ModelNotReadyError, ModelFailedError)):  # the message names the model (and why it failed)
+        return OpenAIError(503, exc.message, "service_unavailable_error", code="model_not_ready",
+                           headers=_retry_after())
     if isinstance(exc, QueueFullError):
         return OpenAIError(429, exc.message, "rate_limit_error", code="rate_limit_exceeded", headers=_retry_after())
     if isinstance(exc, ModelLoadError):

@@ -1,23 +1,26 @@
-"""RouteContext: what every route needs (engine handle, metrics, API key), the route class wrapping each route, and the
-middleware that gives every response an X-Request-ID."""
+"""RouteContext: what every route needs (the models, by id; metrics; the API key), the route class wrapping each route,
+and the middleware that gives every response an X-Request-ID."""
 from __future__ import annotations
 
+import contextvars
 import logging
 import re
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine import Engine, EngineHandle
+from engine import Engine
+from engine.registry import Lease, ModelRegistry
 
 from api.auth import authorize
-from api.errors import OpenAIError, model_loading, shutting_down, to_openai_error
-from api.metrics import Metrics
+from api.errors import OpenAIError, shutting_down, to_openai_error
+from api.metrics import Metrics, ModelMetrics
 
 logger = logging.getLogger("api")
 
@@ -48,39 +51,51 @@ class RequestIDMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
+# The leases the request being handled holds: set by the route class, filled by RouteContext.serve.
+_request_leases: contextvars.ContextVar[list[Lease]] = contextvars.ContextVar("tern_request_leases")
+
+
+@dataclass(frozen=True)
+class Served:
+    """The model a request named, for as long as its response lasts: its engine, its id, its metrics."""
+
+    engine: Engine
+    model_id: str
+    metrics: ModelMetrics
+
+
 # Probes and scrapers reach these without the key: they say whether the server is up, and run no model.
 OPEN_PATHS = frozenset({"/health", "/healthz", "/ready", "/readyz", "/metrics"})
 
 
 class RouteContext:
-    def __init__(self, handle: EngineHandle, api_key: str | None = None) -> None:
-        self.handle = handle
+    def __init__(self, models: ModelRegistry, api_key: str | None = None) -> None:
+        self.models = models
         self.api_key = api_key or None
-        self.metrics = Metrics(handle)
+        self.metrics = Metrics(models)
         self.created = int(time.time())
-
-    @property
-    def model_name(self) -> str:
-        return self.handle.served_model_name
 
     @property
     def is_draining(self) -> bool:
         """Shutting down: routes that run the model or its tokenizer answer 503, /ready too."""
-        return self.handle.is_draining
+        return self.models.is_draining
 
     def needs_key(self, route_path: str) -> bool:
         """With --api-key, every route but the probes needs it: /v1 and the tokenizer routes alike."""
         return self.api_key is not None and route_path not in OPEN_PATHS
 
-    def engine(self, model: str | None = None) -> Engine:
-        """The engine once loaded (else 503), after checking the model the client asked for (else 404)."""
-        engine = self.handle.engine
-        if engine is None:
-            raise model_loading(self.handle.error)
-        if model and model != self.model_name:
-            message = f"The model `{model}` does not exist. This server serves `{self.model_name}`."
-            raise OpenAIError(404, message, param="model", code="model_not_found")
-        return engine
+    async def serve(self, model: str | None = None) -> Served:
+        """The model the client named (empty: the default), loading it first if needed (this request waits; the
+        others go on). Unknown: 404 naming the served ones; failed to load: 503 with why; the first model still
+        loading at start: 503, retry shortly. It stays loaded until this request's response has ended: the route
+        class releases the lease then, the client having read it all or gone."""
+        leases = _request_leases.get(None)
+        lease = await self.models.acquire_async(model)
+        if leases is None:  # a route outside ServedRoute (none today): nothing would release it, so hold none
+            lease.release()
+        else:
+            leases.append(lease)
+        return Served(lease.engine, lease.model_id, self.metrics.of(lease.model_id))
 
     def route_class(self, error_response: Callable[[OpenAIError], Response] = OpenAIError.response,
                     takes_x_api_key: bool = False) -> type[APIRoute]:
@@ -101,11 +116,13 @@ def _served(handler, route_path: str, context: RouteContext, error_response: Cal
     needs_key = context.needs_key(route_path)
     is_work = route_path not in OPEN_PATHS  # refused while the server drains; the probes keep answering
 
-    async def handle(request: Request) -> Response:
+    async def handle(request: Request) -> Response | _HoldingLeases:
         # Set by RequestIDMiddleware; a router used without it (a test's own app) makes its own.
         request_id = getattr(request.state, "request_id", None) or _request_id(request.headers.get("x-request-id", ""))
         request.state.request_id = request_id
         started = time.perf_counter()
+        leases: list[Lease] = []
+        token = _request_leases.set(leases)
         try:
             if needs_key:
                 authorize(request, context.api_key, takes_x_api_key)
@@ -117,13 +134,31 @@ def _served(handler, route_path: str, context: RouteContext, error_response: Cal
             if 400 <= error.status_code < 500:
                 logger.info("%s: %d %s (param %s)", request_id, error.status_code, error.message, error.param)
             response = error_response(error)
+        finally:
+            _request_leases.reset(token)
         response.headers["X-Request-ID"] = request_id
         context.metrics.requests.labels(route_path, request.method, str(response.status_code)).inc()
         elapsed_ms = (time.perf_counter() - started) * 1000
         logger.info('%s "%s %s" %d %.0f ms', request_id, request.method, request.url.path, response.status_code, elapsed_ms)
-        return response
+        return _HoldingLeases(response, leases) if leases else response
 
     return handle
+
+
+class _HoldingLeases:
+    """A route's response (an ASGI app, as Starlette sends it), sent while the leases the route took are held (its
+    model is not unloaded under a stream); they are released once it has been sent, failed, or its client left (the
+    send is then cancelled)."""
+
+    def __init__(self, response: Response, leases: list[Lease]) -> None:
+        self.response, self.leases = response, leases
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            for lease in self.leases:
+                lease.release()
 
 
 def _request_id(client_value: str) -> str:

@@ -48,7 +48,7 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
         "(a prompt's trailing whitespace moves into the continuation); token ids are used as given.",
     )
     async def loglikelihood(body: LoglikelihoodRequest, request: Request) -> LoglikelihoodResponse:
-        engine = context.engine(body.model)
+        engine = (await context.serve(body.model)).engine
         if len(body.prompts) != len(body.continuations):
             message = f"got {len(body.prompts)} prompts but {len(body.continuations)} continuations; pair them one to one"
             raise OpenAIError(400, message, param="continuations")

@@ -14,7 +14,8 @@ from types import FrameType
 
 import uvicorn
 
-from engine import Engine, EngineHandle
+from engine import Engine
+from engine.registry import ModelRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +31,9 @@ class DrainingServer(uvicorn.Server):
     should_exit (its shutdown closes the socket first) and re-raises the signal once done, which makes the exit
     status 128 + signal; this one sets should_exit only when the drain is over and re-raises nothing."""
 
-    def __init__(self, config: uvicorn.Config, handle: EngineHandle, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, models: ModelRegistry, drain_timeout_s: float) -> None:
         super().__init__(config)
-        self.handle = handle
+        self.models = models
         self.drain_timeout_s = drain_timeout_s
         self._num_signals = 0
         self._drain: asyncio.Task | None = None
@@ -50,9 +51,9 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain_then_exit(self) -> None:
         try:
-            engine = self.handle.drain()
-            if engine is not None:
-                await self._drain_engine(engine)
+            # Every loaded engine at once, each with the whole timeout; no model loads from now on.
+            engines = self.models.drain()
+            await asyncio.gather(*(self._drain_engine(engine) for engine in engines))
         except Exception:  # never keep the server from exiting
             logger.exception("draining failed; shutting down")
         finally:

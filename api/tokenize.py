@@ -59,7 +59,7 @@ class TokenizerInfo(BaseModel):
 def add_routes(router: APIRouter, context: RouteContext) -> None:
     @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS, summary="Text or chat -> token ids")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        engine = context.engine(body.model)
+        engine = (await context.serve(body.model)).engine
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "send exactly one of `prompt` or `messages`", param="prompt")
         if body.messages is not None:
@@ -73,7 +73,7 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
 
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS, summary="Token ids -> text")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        engine = context.engine(body.model)
+        engine = (await context.serve(body.model)).engine
         bad = [t for t in body.tokens if not 0 <= t < engine.tokenizer.vocab_size]
         if bad:
             message = f"token id {bad[0]} is outside the vocabulary (0..{engine.tokenizer.vocab_size - 1})"
@@ -81,8 +81,8 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
         return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens, skip_special_tokens=False))
 
     @router.get("/tokenizer_info", response_model=TokenizerInfo, responses=ERRORS, summary="Special tokens, template")
-    async def tokenizer_info() -> TokenizerInfo:
-        engine = context.engine()
+    async def tokenizer_info(model: str | None = None) -> TokenizerInfo:
+        engine = (await context.serve(model)).engine
         tokenizer = engine.tokenizer
         return TokenizerInfo(**tokenizer.special_tokens, chat_template=tokenizer.chat_template,
                              model_max_length=engine.max_model_len, vocab_size=tokenizer.vocab_size)

@@ -85,7 +85,10 @@ def parse_args(argv: list[str] | None = None):
     )
     add_flags(parser, SCALE_FLAGS, ScaleSettings())
     args, rest = parser.parse_known_args(argv)
-    server, engine_config, _ = parse_tern_args(rest)
+    server, specs, _ = parse_tern_args(rest)
+    if len(specs) > 1:
+        parser.error("each Ray replica serves one model: give --model once")
+    engine_config = specs[0].config
     if args.max_replicas is None and args.min_replicas is not None:
         parser.error("--min-replicas needs --max-replicas (autoscaling)")
     return server, engine_config, ScaleSettings(**{flag.field: getattr(args, flag.field) for flag in SCALE_FLAGS})

@@ -8,99 +8,23 @@ models served on). A model is never unloaded while a lease on it is held or its 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import gc
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.errors import DrainingError, EngineError, ModelLoadError
+from engine.errors import DrainingError, ModelLoadError
 from engine.handle import EngineHandle
+from engine.model_slot import (FAILED, LOADED, LOADING, UNLOADED, UNLOADING, Lease, ModelFailedError,
+                               ModelNotReadyError, ModelSlot, ModelSpec, ModelStatus, UnknownModelError, has_room,
+                               least_recently_used_idle, load_engine, return_freed_memory)
+
+__all__ = ["FAILED", "LOADED", "LOADING", "UNLOADED", "UNLOADING", "Lease", "ModelFailedError", "ModelNotReadyError",
+           "ModelRegistry", "ModelSpec", "ModelStatus", "UnknownModelError", "load_engine"]
 
 logger = logging.getLogger(__name__)
-
-UNLOADED, LOADING, LOADED, UNLOADING, FAILED = "unloaded", "loading", "loaded", "unloading", "failed"
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One served model: the id clients name it by, how its engine is built, and how long it may sit idle loaded
-    (None: never unloaded for idleness; it may still be evicted to make room under max_loaded)."""
-
-    id: str
-    config: EngineConfig
-    keep_alive_s: float | None = None
-
-
-class UnknownModelError(EngineError):
-    """A request named a model this server does not serve; the message names the ones it does."""
-
-
-class ModelNotReadyError(EngineError):
-    """The model is still loading at start-up (loaded on purpose, not on demand): retry shortly."""
-
-
-@dataclass(frozen=True)
-class ModelStatus:
-    """One model as /v1/models, /metrics and the UI show it."""
-
-    id: str
-    state: str
-    error: str | None  # why it failed to load
-    num_leases: int  # requests (and UI actions) using it now
-    num_loads: int
-    num_unloads: int
-    last_load_s: float | None  # how long its last load took
-    idle_s: float | None  # since its last lease ended, when loaded and unused
-
-
-def load_engine(config: EngineConfig) -> Engine:
-    """An engine started and at full speed: where the decode step compiles, it is built before the engine serves."""
-    engine = Engine(config).start()
-    if engine.info().decode_step == "compiling":
-        # Ready means full speed: until the compiled step is built the eager one would serve at a fifth of its
-        # speed, with the compile taking the cores from it, so the model is not ready until it is done.
-        logger.info("building the compiled decode step before serving (seconds when the inductor cache has it, "
-                    "minutes on a machine's first start)")
-        engine.wait_for_compiled_decode()
-    return engine
-
-
-class Lease:
-    """The right to use one model's engine until release(); while any lease on it is held it is not unloaded.
-    Release is idempotent; a lease is also a context manager."""
-
-    def __init__(self, registry: ModelRegistry, model_id: str, engine: Engine) -> None:
-        self.registry, self.model_id, self.engine = registry, model_id, engine
-        self._released = False
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self.registry._release(self.model_id)
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-class _Entry:
-    def __init__(self, spec: ModelSpec) -> None:
-        self.spec = spec
-        self.handle = EngineHandle(spec.id)
-        self.state = UNLOADED
-        self.on_demand = False  # this load was asked for by a request, which waits for it
-        self.num_leases = 0
-        self.num_waiting = 0  # requests waiting for a lease on it
-        self.last_used = time.monotonic()
-        self.num_loads = self.num_unloads = 0
-        self.last_load_s: float | None = None
 
 
 class ModelRegistry:
@@ -115,12 +39,25 @@ class ModelRegistry:
             raise ValueError(f"max_loaded must be at least 1, got {max_loaded}")
         self.max_loaded = max_loaded
         self._load = load
-        self._entries = {spec.id: _Entry(spec) for spec in specs}
+        self._entries = {spec.id: ModelSlot(spec) for spec in specs}
         self._lock = threading.Condition()
         self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._is_draining = False
         self._is_stopped = False
         self._reaper: threading.Thread | None = None
+
+    @classmethod
+    def serving(cls, handle: EngineHandle | Engine) -> ModelRegistry:
+        """A registry over one model whose engine someone else loads and owns (a test's engine, or a handle loading
+        on another thread): the model is `loading` until the handle has its engine, then `loaded` for good, or
+        `failed` with the handle's error. Its id is the handle's served name (the engine's model name)."""
+        if isinstance(handle, Engine):
+            engine, handle = handle, EngineHandle()
+            handle.set_engine(engine)
+        config = handle.engine.config if handle.engine is not None else EngineConfig()
+        registry = cls([ModelSpec(handle.served_model_name, config)])
+        registry._entries[registry.default_id] = ModelSlot(registry.spec(), handle)
+        return registry
 
     # -- what is served ------------------------------------------------------------------------------------------
     @property
@@ -136,10 +73,16 @@ class ModelRegistry:
         """The id a request's `model` names: empty or None means the default; an unknown one raises."""
         if not model:
             return self.default_id
+        entry = self._entries.get(model) or self._entries[self.default_id]
+        if entry.is_external and entry.handle.engine is None:
+            return entry.spec.id  # someone else's model, not loaded yet: what it will be called is not known
         if model not in self._entries:
             served = ", ".join(f"`{i}`" for i in self._entries)
             raise UnknownModelError(f"The model `{model}` does not exist. This server serves {served}.", "model")
         return model
+
+    def spec(self, model: str | None = None) -> ModelSpec:
+        return self._entries[self.resolve(model)].spec
 
     def handle(self, model: str | None = None) -> EngineHandle:
         """The model's handle: its engine when loaded (else None), its load error when it failed."""
@@ -147,17 +90,15 @@ class ModelRegistry:
 
     def status(self, model: str | None = None) -> ModelStatus:
         with self._lock:
-            entry = self._entries[self.resolve(model)]
-            idle = time.monotonic() - entry.last_used if entry.state == LOADED and not entry.num_leases else None
-            return ModelStatus(entry.spec.id, entry.state, entry.handle.error, entry.num_leases, entry.num_loads,
-                               entry.num_unloads, entry.last_load_s, idle)
+            return self._entries[self.resolve(model)].status()
 
     def statuses(self) -> list[ModelStatus]:
         return [self.status(model_id) for model_id in self._entries]
 
     @property
     def is_draining(self) -> bool:
-        return self._is_draining
+        # An external handle may be drained by its owner (a test, a Ray replica) rather than through drain().
+        return self._is_draining or any(entry.handle.is_draining for entry in self._entries.values())
 
     # -- life ----------------------------------------------------------------------------------------------------
     def start(self, preload: Sequence[str] = ()) -> ModelRegistry:
@@ -235,24 +176,25 @@ class ModelRegistry:
     def _try_lease(self, model_id: str) -> Lease | None:
         """Under the lock: a lease now, or None after starting whatever must happen first (a load, an eviction)."""
         entry = self._entries[model_id]
-        if self._is_draining or self._is_stopped:
+        entry.sync()
+        if self.is_draining or self._is_stopped:
             raise DrainingError("the server is shutting down and takes no new requests; retry shortly")
         if entry.state == LOADED:
             entry.num_leases += 1
             entry.last_used = time.monotonic()
             return Lease(self, model_id, entry.handle.engine)
         if entry.state == FAILED:
-            raise ModelLoadError(f"model `{model_id}` failed to load: {entry.handle.error}")
-        if entry.state == LOADING and not entry.on_demand:
-            raise ModelNotReadyError(f"model `{model_id}` is still loading; retry shortly")
+            raise ModelFailedError(f"model `{model_id}` failed to load: {entry.handle.error}", "model")
+        if entry.state == LOADING and (entry.is_external or not entry.on_demand):
+            raise ModelNotReadyError(f"model `{model_id}` is still loading; retry shortly", "model")
         if entry.state == UNLOADED:
-            if self._has_room():
+            if has_room(self._entries.values(), self.max_loaded):
                 self._begin_load(entry, on_demand=True)
             else:
-                victim = self._least_recently_used_idle()
+                victim = least_recently_used_idle(self._entries.values())
                 if victim is not None:
-                    self._begin_unload(victim, f"least recently used idle model, making room for `{model_id}` "
-                                               f"(--max-loaded {self.max_loaded})")
+                    why = f"least recently used idle model, room for `{model_id}` (--max-loaded {self.max_loaded})"
+                    self._begin_unload(victim, "evicted", why)
         return None  # loading, unloading, or waiting for a loaded model to become idle
 
     def _release(self, model_id: str) -> None:
@@ -263,27 +205,12 @@ class ModelRegistry:
             self._notify()
 
     # -- loading and unloading -----------------------------------------------------------------------------------
-    def _has_room(self) -> bool:
-        if self.max_loaded is None:
-            return True
-        taken = sum(entry.state in (LOADING, LOADED, UNLOADING) for entry in self._entries.values())
-        return taken < self.max_loaded
-
-    def _least_recently_used_idle(self) -> _Entry | None:
-        idle = [entry for entry in self._entries.values() if entry.state == LOADED and self._is_idle(entry)]
-        return min(idle, key=lambda entry: entry.last_used, default=None)
-
-    @staticmethod
-    def _is_idle(entry: _Entry) -> bool:
-        # The engine's own count too: a request submitted outside a lease is never cut off either.
-        return entry.num_leases == 0 and entry.num_waiting == 0 and not entry.handle.engine.has_requests
-
-    def _begin_load(self, entry: _Entry, on_demand: bool) -> None:
+    def _begin_load(self, entry: ModelSlot, on_demand: bool) -> None:
         entry.state, entry.on_demand = LOADING, on_demand
         entry.handle.error = None
         threading.Thread(target=self._load_entry, args=(entry,), name=f"tern-load-{entry.spec.id}", daemon=True).start()
 
-    def _load_entry(self, entry: _Entry) -> None:
+    def _load_entry(self, entry: ModelSlot) -> None:
         started = time.monotonic()
         logger.info("loading model `%s` (%s)", entry.spec.id, "on demand" if entry.on_demand else "at start")
         engine, error = None, None
@@ -310,18 +237,20 @@ class ModelRegistry:
                 logger.info("model `%s` loaded in %.1f s", entry.spec.id, entry.last_load_s)
             self._notify()
 
-    def _begin_unload(self, entry: _Entry, reason: str) -> None:
+    def _begin_unload(self, entry: ModelSlot, kind: str, reason: str) -> None:
         engine = entry.handle.engine
+        entry.unloads_by_reason[kind] = entry.unloads_by_reason.get(kind, 0) + 1
         entry.state = UNLOADING
         entry.handle.clear()
         logger.info("unloading model `%s`: %s", entry.spec.id, reason)
-        threading.Thread(target=self._unload_entry, args=(entry, engine), name=f"tern-unload-{entry.spec.id}",
+        # In a list the thread empties: a Thread keeps its args until its target returns, which would keep the
+        # engine (and every tensor of it) alive through the memory's return below.
+        threading.Thread(target=self._unload_entry, args=(entry, [engine]), name=f"tern-unload-{entry.spec.id}",
                          daemon=True).start()
 
-    def _unload_entry(self, entry: _Entry, engine: Engine) -> None:
-        engine.stop()
-        del engine
-        _return_freed_memory()
+    def _unload_entry(self, entry: ModelSlot, holder: list[Engine]) -> None:
+        holder.pop().stop()  # the last reference to the engine goes with the call
+        return_freed_memory()
         with self._lock:
             entry.state = UNLOADED
             entry.num_unloads += 1
@@ -345,7 +274,8 @@ class ModelRegistry:
                         entry.last_used = now
                         next_check = now + keep_alive if next_check is None else min(next_check, now + keep_alive)
                     else:
-                        self._begin_unload(entry, f"idle for {now - entry.last_used:.0f} s (keep-alive {keep_alive:g} s)")
+                        idle_s = now - entry.last_used
+                        self._begin_unload(entry, "idle", f"idle for {idle_s:.0f} s (keep-alive {keep_alive:g} s)")
                 self._lock.wait(None if next_check is None else next_check - now)
 
     def _notify(self) -> None:
@@ -359,13 +289,3 @@ class ModelRegistry:
 def _resolve(waiter: asyncio.Future) -> None:
     if not waiter.done():  # a cancelled waiter (its client left) is simply dropped
         waiter.set_result(None)
-
-
-def _return_freed_memory() -> None:
-    """Give an unloaded model's memory back to the system: collect its tensors' cycles, then ask glibc to return the
-    freed heap (large tensors are mmap'd and go back at once; smaller ones stay in malloc's arenas otherwise)."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: what it keeps, it keeps
-        pass

@@ -1,22 +1,24 @@
-"""The app factory: settings and an engine handle -> the FastAPI app (its lifespan loads and stops the engine), with
-the /v1 routers and the Gradio UI mounted at "/". app.py serves it under uvicorn, deploy/replica.py once per replica."""
+"""The app factory: settings and a ModelRegistry -> the FastAPI app (its lifespan starts and stops the registry, which
+loads and unloads the engines), with the /v1 routers and the Gradio UI mounted at "/". app.py serves it under
+uvicorn, deploy/replica.py once per replica."""
 from __future__ import annotations
 
 import logging
-import threading
 from contextlib import asynccontextmanager
 
-from engine import Engine, EngineConfig, EngineHandle, ModelLoadError
+from engine import EngineConfig
+from engine.registry import ModelRegistry, ModelSpec
+from engine.weights.checkpoint import model_name
 from tern.settings import ServerSettings
 
 logger = logging.getLogger("tern")
 
 
 def create_app(server: ServerSettings | None = None, engine_config: EngineConfig | None = None,
-               handle: EngineHandle | None = None):
-    """The FastAPI app; /health says 503 until the engine has loaded. `handle`: one whose engine is already loading
-    (main starts it first, so the weights load while the web app is imported and built); without one the app's
-    lifespan starts loading it."""
+               registry: ModelRegistry | None = None):
+    """The FastAPI app; /health says 503 until the first model has loaded. `registry`: one already started (main
+    starts it first, so the weights load while the web app is imported and built); without one the app serves
+    `engine_config`'s model alone, loaded at start by the app's lifespan."""
     from fastapi import FastAPI
 
     from api import APICORSMiddleware, BodySizeLimitMiddleware, RequestIDMiddleware, build_router, install_error_handlers
@@ -25,58 +27,35 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
     import gradio as gr
 
     server = server or ServerSettings()
-    engine_config = engine_config or EngineConfig.serving()
-    is_loading = handle is not None
-    handle = handle or EngineHandle(server.served_model_name)
+    is_started = registry is not None
+    if registry is None:
+        engine_config = engine_config or EngineConfig.serving()
+        model_id = server.served_model_name or model_name(engine_config.model)
+        registry = ModelRegistry([ModelSpec(model_id, engine_config)])
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if not is_loading:
-            start_loading(handle, engine_config)
+        if not is_started:
+            registry.start(preload=[registry.default_id])
         try:
             yield
         finally:
-            if handle.engine is not None:
-                handle.engine.stop()
+            registry.stop()
 
     app = FastAPI(title="Tern", version="0.1.0", lifespan=lifespan)
-    app.state.handle = handle
+    app.state.models = registry
+    app.state.handle = registry.handle()  # the first model's: what a single-model caller (deploy/) waits on
     install_error_handlers(app)
     # The last added runs first: CORS headers reach every API answer (a 401 or 413 too), each with its request id.
     app.add_middleware(BodySizeLimitMiddleware, max_body_size_bytes=server.max_body_size_bytes)
     app.add_middleware(RequestIDMiddleware)  # every response, the UI's too, carries X-Request-ID
     if server.cors_origins:
         app.add_middleware(APICORSMiddleware, origins=list(server.cors_origins))
-    router = build_router(handle, api_key=server.api_key, max_stored_responses=server.max_stored_responses)
+    router = build_router(registry, api_key=server.api_key, max_stored_responses=server.max_stored_responses)
     app.state.metrics = router.metrics
     app.include_router(router)
     # Mounted last: a mount at "/" catches every path not matched above. With an API key the UI asks for it too:
     # Gradio's own HTTP API (what gradio_client calls) runs the model as /v1 does.
     login = key_login(server.api_key) if server.api_key else None
-    return gr.mount_gradio_app(app, build_ui(handle), path="/", auth=login, auth_message=LOGIN_MESSAGE if login else None)
-
-
-def start_loading(handle: EngineHandle, config: EngineConfig) -> threading.Thread:
-    """Load and start the engine on a thread of its own; the handle says ready once it serves (or why it failed).
-    A daemon: stopping the server while the model loads does not wait for the load to end."""
-    thread = threading.Thread(target=_load_engine, args=(handle, config), name="tern-load", daemon=True)
-    thread.start()
-    return thread
-
-
-def _load_engine(handle: EngineHandle, config: EngineConfig) -> None:
-    try:
-        engine = Engine(config).start()
-        if engine.info().decode_step == "compiling":
-            # Ready means full speed: until the compiled step is built the eager one would serve at a fifth of its
-            # speed, with the compile taking the cores from it, so /health says 503 until it is done.
-            logger.info("building the compiled decode step before serving (seconds when the inductor cache has it, "
-                        "minutes on a machine's first start)")
-            engine.wait_for_compiled_decode()
-        handle.set_engine(engine)
-    except ModelLoadError as exc:
-        logger.error("model failed to load: %s", exc.message)
-        handle.set_error(exc.message)
-    except Exception as exc:  # keep serving /health with the reason rather than dying silently
-        logger.exception("model failed to load")
-        handle.set_error(f"{type(exc).__name__}: {exc}")
+    return gr.mount_gradio_app(app, build_ui(registry), path="/", auth=login,
+                               auth_message=LOGIN_MESSAGE if login else None)

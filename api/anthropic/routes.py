@@ -30,13 +30,13 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
     @router.post("/v1/messages", response_model=None, responses=streamed_events(),
                  summary="Create a message (Anthropic Messages API)")
     async def create_message(body: MessagesRequest, request: Request):
-        engine = context.engine(body.model)
+        served = await context.serve(body.model)
         params = body.to_sampling_params()
         turns = to_chat(body)
         message_id = new_id("msg")
-        generation, split = await start_chat(context, engine, turns.messages, params, turns.tools, AnswerFormat(None),
+        generation, split = await start_chat(served, turns.messages, params, turns.tools, AnswerFormat(None),
                                              message_id, request, thinking_template_kwargs(body.thinking))
-        run = _Run(generation, context.model_name, params.stop, turns.tools.parses_calls,
+        run = _Run(generation, served.model_id, params.stop, turns.tools.parses_calls,
                    None if split is None else split.parser())
         if body.stream:
             return StreamingResponse(_framed(run.events()), media_type="text/event-stream", headers=HEADERS)
@@ -48,7 +48,7 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
     @router.post("/v1/messages/count_tokens", response_model=CountTokensResponse, responses=ERRORS,
                  summary="Count a message request's input tokens (Anthropic Messages API)")
     async def count_tokens(body: CountTokensRequest) -> CountTokensResponse:
-        engine = context.engine(body.model)
+        engine = (await context.serve(body.model)).engine
         turns = to_chat(body)
         constrained = reasoning.is_constrained(AnswerFormat(None), turns.tools)
         _, ids = chat_prompt(engine, turns.messages, turns.tools, constrained, thinking_template_kwargs(body.thinking))

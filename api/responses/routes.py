@@ -33,7 +33,8 @@ def add_routes(router: APIRouter, context: RouteContext, store: ResponseStore) -
     @router.post("/v1/responses", response_model=ResponseObject, responses=streamed_events(),
                  summary="Create a response")
     async def create_response(body: ResponsesRequest, request: Request):
-        engine = context.engine(body.model)
+        served = await context.serve(body.model)
+        engine = served.engine
         params = body.to_sampling_params()
         history: list[dict] = []
         if body.previous_response_id is not None:
@@ -43,9 +44,9 @@ def add_routes(router: APIRouter, context: RouteContext, store: ResponseStore) -
         instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
         response_id = new_id("resp")
         template_kwargs = checked_template_kwargs(engine, body.chat_template_kwargs)
-        generation, split = await start_chat(context, engine, instructions + history + new_input, params, tools,
+        generation, split = await start_chat(served, instructions + history + new_input, params, tools,
                                              text_format(body.text), response_id, request, template_kwargs)
-        run = _Run(body, generation, history + new_input, context.model_name, store, tools.parses_calls, split)
+        run = _Run(body, generation, history + new_input, served.model_id, store, tools.parses_calls, split)
         if body.stream:
             return StreamingResponse(_framed(run.events()), media_type="text/event-stream", headers=HEADERS)
         await until_disconnected(request, generation.collect())

@@ -42,8 +42,8 @@ def resolve_checkpoint(model: str | None, cache_dir: Path) -> tuple[Path, str]:
     --model value. For a GGUF file of a native architecture that folder holds only those small files, written once
     from the file's metadata: the weights are read from the GGUF itself (engine/weights/streamed_load.py)."""
     gguf_path = gguf_file_of(model)
+    name = model_name(model)
     if gguf_path is not None:
-        name = DEFAULT_MODEL_NAME if model is None else gguf_path.stem.split(".")[0]
         if open_gguf(gguf_path, cache_dir).is_native:
             return gguf_metadata(gguf_path, cache_dir), name
         return dequantized_checkpoint(gguf_path, cache_dir), name
@@ -51,10 +51,21 @@ def resolve_checkpoint(model: str | None, cache_dir: Path) -> tuple[Path, str]:
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelLoadError(f"{path} is a folder but holds no config.json: not a Hugging Face checkpoint")
-        return path, path.name
+        return path, name
     if path.exists() or model.startswith((".", "/", "~")):
         raise ModelLoadError(f"{model}: not a .gguf file or a checkpoint folder")
-    return _from_hub(model), model.split("/")[-1]
+    return _from_hub(model), name
+
+
+def model_name(model: str | None) -> str:
+    """The readable name of a --model value, without reading it: a GGUF file's name up to its first dot
+    (SmolLM2-135M-Instruct.Q4_K_M.gguf: SmolLM2-135M-Instruct), a folder's name, a hub id's last part."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        return path.name.split(".")[0]
+    return path.name or model.rstrip("/").split("/")[-1]
 
 
 def gguf_file_of(model: str | None) -> Path | None:

@@ -51,13 +51,16 @@ def assert_error_shape(response: httpx.Response) -> dict:
 
 
 def metrics(http: httpx.Client) -> dict[str, float]:
-    """Every sample of /metrics as "name{label=value,...}" -> value."""
+    """Every sample of /metrics as "name{label=value,...}" -> value; the `model` label left out (this server serves
+    one model: each model series has one sample, labelled with its id)."""
     response = http.get("/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    model_id = http.get("/v1/models").json()["data"][0]["id"]
     samples = {}
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            assert sample.labels.get("model", model_id) == model_id
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model")
             samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return samples
 

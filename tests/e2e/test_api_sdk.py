@@ -381,5 +381,5 @@ def test_every_decode_step_since_ready_ran_compiled(client, model, live_server):
     ask(client, model, max_tokens=8)
     samples = {line.split(" ")[0]: float(line.split(" ")[1])
                for line in httpx.get(f"{live_server}/metrics").text.splitlines() if line.startswith("tern_decode_steps")}
-    assert samples.get('tern_decode_steps_total{step="compiled"}', 0) >= 7
-    assert samples.get('tern_decode_steps_total{step="eager"}', 0) == 0, samples
+    assert samples.get(f'tern_decode_steps_total{{model="{model}",step="compiled"}}', 0) >= 7
+    assert samples.get(f'tern_decode_steps_total{{model="{model}",step="eager"}}', 0) == 0, samples

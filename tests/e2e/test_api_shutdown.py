@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import time
@@ -143,7 +144,8 @@ def test_a_plain_request_still_running_at_the_drain_timeout_gets_a_503():
             async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
                 request = asyncio.create_task(client.post(CHAT, json=body("Tell me a long story.", max_tokens=4000)))
                 deadline = time.monotonic() + 60
-                while "tern_num_requests_running 1.0" not in (await client.get("/metrics")).text:
+                while not re.search(r"^tern_num_requests_running\{.*\} 1\.0$", (await client.get("/metrics")).text,
+                                    re.MULTILINE):
                     assert time.monotonic() < deadline and not request.done()
                     await asyncio.sleep(0.1)
                 process.send_signal(signal.SIGTERM)

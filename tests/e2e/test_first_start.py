@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from conftest import start_server, stop_server, wait_healthy
 
 from engine import kernels
@@ -20,8 +21,9 @@ def _card(base_url: str) -> dict:
 
 
 def _decode_steps(base_url: str) -> dict[str, float]:
-    return {line.split('"')[1]: float(line.split(" ")[1]) for line in httpx.get(f"{base_url}/metrics").text.splitlines()
-            if line.startswith("tern_decode_steps_total{")}
+    text = httpx.get(f"{base_url}/metrics").text
+    return {s.labels["step"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "tern_decode_steps_total"}
 
 
 def test_a_first_start_serves_its_first_request_on_the_full_speed_step(tmp_path):

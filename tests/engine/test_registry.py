@@ -171,3 +171,37 @@ def test_draining_refuses_new_loads_and_drains_the_loaded_engines(registry_of):
     assert len(engines) == 1 and engines[0].is_draining
     with pytest.raises(Exception, match="shutting down"):
         registry.acquire("b")
+
+
+def test_a_registry_serving_someone_elses_handle_follows_it_and_never_unloads_it(tiny_engine_factory):
+    # What build_router(handle) and the in-process test apps use: the handle's owner loads the engine.
+    from engine import EngineHandle
+
+    engine, _ = tiny_engine_factory()
+    handle = EngineHandle("tiny")
+    registry = ModelRegistry.serving(handle)
+    assert registry.ids == ["tiny"] and registry.status().state == "loading"
+    with pytest.raises(ModelNotReadyError):
+        registry.acquire("tiny")
+    handle.set_engine(engine)
+    with registry.acquire("tiny") as lease:
+        assert lease.engine is engine and registry.status("tiny").num_leases == 1
+    status = registry.status("tiny")
+    assert (status.state, status.num_unloads) == (LOADED, 0)
+    handle.drain()  # drained by its owner: the registry refuses new work too
+    assert registry.is_draining
+    failed = EngineHandle("broken")
+    failed.set_error("no such file")
+    with pytest.raises(ModelLoadError, match="no such file"):
+        ModelRegistry.serving(failed).acquire()
+
+
+def test_unloads_are_counted_by_reason(registry_of):
+    crowded = registry_of("a", "b", max_loaded=1)
+    crowded.acquire("a").release()
+    crowded.acquire("b").release()  # makes room: `a` is evicted
+    assert crowded.status("a").unloads_by_reason == {"evicted": 1}
+    idling = registry_of("c", keep_alive_s=0.1)
+    idling.acquire("c").release()
+    wait_for_state(idling, "c", UNLOADED)
+    assert idling.status("c").unloads_by_reason == {"idle": 1}

@@ -51,18 +51,26 @@ def assert_released(registry) -> None:
 
 def test_compare_streams_both_models_at_once_each_with_its_total(tiny_registry):
     registry = tiny_registry({"a": 0, "b": 1})
-    updates = compare(registry, "a", "b")
-    html_a, status_a, html_b, status_b = updates[-1]
+    engines = [registry.handle("a").engine, registry.handle("b").engine]
+
+    async def watch():
+        """Every update, with whether each model's engine was generating when it came."""
+        return [(update, [engine.has_requests for engine in engines]) async for update in compare_models(
+            registry, "a", "b", COMPLETION, "The three primary colours are", "", *{**GREEDY, "max_tokens": 64}.values())]
+
+    watched = asyncio.run(watch())
+    html_a, status_a, html_b, status_b = watched[-1][0]
     # Both answers in full, and different: two models, not one twice.
-    assert num_tokens(html_a) == num_tokens(html_b) == 12 and html_a != html_b
+    assert num_tokens(html_a) == num_tokens(html_b) == 64 and html_a != html_b
     assert status_a.startswith("**a**") and status_b.startswith("**b**")
-    # At once, not one after the other: some update shows both answers part-way.
-    assert any(0 < num_tokens(u[0]) < 12 and 0 < num_tokens(u[2]) < 12 for u in updates)
+    # Streamed, and at once rather than one after the other: both engines generate while the first tokens show.
+    assert len(watched) > 3 and num_tokens(watched[0][0][0]) + num_tokens(watched[0][0][2]) < 128
+    assert any(all(generating) for _, generating in watched)
     # Each total is the sum of the logprobs its tokens show on hover.
     for tokens_html, status in ((html_a, status_a), (html_b, status_b)):
         count, total = TOTAL.search(status).groups()
         shown = [float(value) for value in SHOWN_LOGPROB.findall(tokens_html)]
-        assert int(count) == len(shown) == 12
+        assert int(count) == len(shown) == 64
         assert float(total) == pytest.approx(sum(shown), abs=0.0005 * (len(shown) + 1)) and float(total) < 0
     assert_released(registry)
 
