@@ -57,7 +57,6 @@ def add_user_message(message: str, history: list[dict], show_probs: bool) -> tup
 
 async def generate_reply(
     registry: ModelRegistry,
-    model: str | None,
     history: list[dict],
     system_prompt: str,
     session: ChatSession,
@@ -68,6 +67,7 @@ async def generate_reply(
     seed: str | None,
     stop: str,
     schema_text: str = "",
+    model: str | None = None,
 ):
     """Stream `model`'s answer to the last user turn (loading the model first, saying so, when it is not loaded).
     Yields (chatbot, history, notice) as tokens arrive. With a JSON schema the reply is held to it, then shown
@@ -272,7 +272,8 @@ def build_chat_tab(registry: ModelRegistry) -> None:
                          "blank = free text. Asking for JSON in the message helps the model fill it in well.",
                 )
 
-    reply_inputs = [model, history, system_prompt, session, *controls.inputs, schema_box]
+    # The model last: a Gradio API call written for one model (no model argument) still means the same.
+    reply_inputs = [history, system_prompt, session, *controls.inputs, schema_box, model]
     reply_outputs = [chatbot, history, notice]
     reply = partial(generate_reply, registry)
     send_events = [

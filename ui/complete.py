@@ -17,7 +17,6 @@ EXAMPLE_PROMPT = "The three primary colours are"
 
 async def complete_text(
     registry: ModelRegistry,
-    model: str | None,
     prompt: str,
     show_logprobs: bool,
     temperature: float,
@@ -26,6 +25,7 @@ async def complete_text(
     max_tokens: int,
     seed: str | None,
     stop: str,
+    model: str | None = None,
 ):
     """Stream the continuation of `prompt` exactly as typed, on `model` (loaded first if it is not). Yields
     (completion, tokens_html, status). Holds a lease on the model until it ends, however it ends."""
@@ -81,7 +81,8 @@ def build_complete_tab(registry: ModelRegistry) -> None:
                 "complete", default_max_tokens=64, default_temperature=0.0, default_top_p=1.0
             )
 
-    inputs = [model, prompt, show_logprobs, *controls.inputs]
+    # The model last: a Gradio API call written for one model (no model argument) still means the same.
+    inputs = [prompt, show_logprobs, *controls.inputs, model]
     outputs = [completion, tokens_html, status]
     run = partial(complete_text, registry)
     event = generate.click(run, inputs, outputs, concurrency_limit=None, show_progress="minimal")

@@ -21,7 +21,7 @@ EXAMPLE_CONTINUATIONS = " Paris.\n London.\n a large city.\n Berlin."
 NO_SECOND_MODEL = "(none)"
 
 
-async def score_continuations(registry: ModelRegistry, model: str | None, prompt: str, continuations_text: str,
+async def score_continuations(registry: ModelRegistry, prompt: str, continuations_text: str, model: str | None = None,
                               second_model: str | None = None):
     """Score every continuation (one per line) after the prompt, under `model` and, when one is picked, under
     `second_model` too (both at once). Yields (table, per-token HTML, notice): first "loading model X…" when a model
@@ -82,7 +82,7 @@ def build_scoring_tab(registry: ModelRegistry) -> None:
                 "own top choice.")
     tokens_html = gr.HTML(elem_id="score-tokens")
     score.click(
-        partial(score_continuations, registry), [model, prompt, continuations, second_model],
+        partial(score_continuations, registry), [prompt, continuations, model, second_model],
         [table, tokens_html, notice], concurrency_limit=None,
     )
 

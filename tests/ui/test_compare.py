@@ -102,7 +102,7 @@ def test_an_unloaded_model_loads_on_first_use_and_says_so(tiny_registry):
     assert [s.state for s in registry.statuses()] == ["loaded", "loaded"]
     # The same on the other tabs: Complete on a model that is not loaded yet.
     registry = tiny_registry({"c": 2}, preload=False)
-    outputs = collect(complete_text(registry, "c", "Hello", False, *GREEDY.values()))
+    outputs = collect(complete_text(registry, "Hello", False, *GREEDY.values(), model="c"))
     assert "Loading model `c`" in outputs[0][2] and "12 generated" in outputs[-1][2]
     assert_released(registry)
 
@@ -146,7 +146,7 @@ def test_score_ranks_the_same_continuations_under_two_models_in_one_table(tiny_r
     prompt, continuations = "The capital of France is", " Paris\n London\n a banana"
 
     def score(second_model=None):
-        return collect(score_continuations(registry, "a", prompt, continuations, second_model))[-1]
+        return collect(score_continuations(registry, prompt, continuations, "a", second_model))[-1]
 
     table, tokens_html, notice = score("b")
     assert table["headers"] == ["Continuation", "Rank (a)", "Log-likelihood (a)", "Per token (a)", "Greedy (a)",
@@ -156,7 +156,7 @@ def test_score_ranks_the_same_continuations_under_two_models_in_one_table(tiny_r
     assert sorted(row[5] for row in rows) == [1, 2, 3]
     # Each model's columns are what that model alone gives.
     alone_a = {row[1]: row[2] for row in score()[0]["data"]}
-    alone_b = {row[1]: row[2] for row in collect(score_continuations(registry, "b", prompt, continuations))[-1][0]["data"]}
+    alone_b = {row[1]: row[2] for row in collect(score_continuations(registry, prompt, continuations, "b"))[-1][0]["data"]}
     assert {row[0]: row[2] for row in rows} == alone_a and {row[0]: row[6] for row in rows} == alone_b
     assert alone_a != alone_b  # two models, two rankings
     assert "Under <b>a</b>" in tokens_html and "Under <b>b</b>" in tokens_html and "`b` finds" in notice

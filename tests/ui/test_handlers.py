@@ -71,7 +71,7 @@ def collect(agen) -> list:
 def chat(registry, history: list[dict], **overrides) -> tuple[list[dict], list[dict], str]:
     """Run generate_reply to the end; -> its last (chatbot, history, notice)."""
     args = {**GREEDY, **overrides}
-    return collect(generate_reply(registry, None, history, *args.values()))[-1]
+    return collect(generate_reply(registry, history, *args.values()))[-1]
 
 
 def ask(registry, message: str, history: list[dict] | None = None, **overrides) -> tuple[list[dict], list[dict], str]:
@@ -81,7 +81,7 @@ def ask(registry, message: str, history: list[dict] | None = None, **overrides) 
 
 def score(registry, prompt: str, continuations: str, second_model: str | None = None) -> tuple[dict, str, str]:
     """Run score_continuations to the end; -> its last (table, per-token HTML, notice)."""
-    return collect(score_continuations(registry, None, prompt, continuations, second_model))[-1]
+    return collect(score_continuations(registry, prompt, continuations, None, second_model))[-1]
 
 
 def reply_of(history: list[dict]) -> str:
@@ -101,7 +101,7 @@ def wait_until_idle(engine, timeout_s: float = 30.0) -> None:
 
 def test_greedy_reply_streams_and_is_correct(registry):
     _, history, _, _ = add_user_message("What is the capital of France?", [], False)
-    outputs = collect(generate_reply(registry, None, history, *GREEDY.values()))
+    outputs = collect(generate_reply(registry, history, *GREEDY.values()))
     replies = [out[1][-1]["content"] for out in outputs]
     assert len(replies) > 3  # streamed: one update per token, not one at the end
     assert all(later.startswith(earlier) for earlier, later in zip(replies, replies[1:]))
@@ -163,7 +163,7 @@ def test_clear_mid_stream_ends_the_reply_and_nothing_comes_back(registry):
     session = ChatSession()
 
     async def clear_after_two_updates():
-        replies = generate_reply(registry, None, history, *{**GREEDY, "session": session, "max_tokens": 100}.values())
+        replies = generate_reply(registry, history, *{**GREEDY, "session": session, "max_tokens": 100}.values())
         await replies.__anext__()
         await replies.__anext__()
         clearing = asyncio.create_task(clear_chat(session))
@@ -206,7 +206,7 @@ def test_token_view_switches_while_a_reply_streams(registry):
         return chatbot[-1]["content"], len(turns[-1]["tokens"])
 
     async def toggle_twice_mid_stream():
-        replies = generate_reply(registry, None, history, *{**GREEDY, "session": session, "max_tokens": 40}.values())
+        replies = generate_reply(registry, history, *{**GREEDY, "session": session, "max_tokens": 40}.values())
         plain = [shown(*(await replies.__anext__())[:2]) for _ in range(3)]
         _, turns, _ = await replies.__anext__()
         chatbot, legend = show_token_view(session, turns, True)  # what the checkbox's handler does
@@ -239,7 +239,7 @@ def test_stop_aborts_the_request_in_the_engine(registry):
         updates = []
 
         async def drive():
-            async for out in generate_reply(registry, None, history, *{**GREEDY, "max_tokens": 500}.values()):
+            async for out in generate_reply(registry, history, *{**GREEDY, "max_tokens": 500}.values()):
                 updates.append(out)
 
         task = asyncio.create_task(drive())
@@ -260,7 +260,7 @@ def test_closing_the_stream_early_also_aborts(registry):
     _, history, _, _ = add_user_message("Write a very long story about a dragon.", [], False)
 
     async def read_two_then_close():
-        agen = generate_reply(registry, None, history, *{**GREEDY, "max_tokens": 500}.values())
+        agen = generate_reply(registry, history, *{**GREEDY, "max_tokens": 500}.values())
         await agen.__anext__()
         await agen.__anext__()
         await agen.aclose()
@@ -284,12 +284,12 @@ def test_too_long_prompts_in_complete_and_score_are_readable_messages(tiny_engin
     engine, _ = tiny_engine_factory(max_model_len=64)
     tiny = tiny_served(engine)
     with pytest.warns(UserWarning, match="maximum context length is 64"):
-        text, _, status = collect(complete_text(tiny, None, "word " * 100, False, 0.0, 1.0, 0, 4, "", ""))[-1]
+        text, _, status = collect(complete_text(tiny, "word " * 100, False, 0.0, 1.0, 0, 4, "", ""))[-1]
     assert text == "" and status.startswith("\u26a0\ufe0f") and "maximum context length is 64" in status
     with pytest.warns(UserWarning, match="maximum context length is 64"):
         table, _, notice = score(tiny, "word " * 100, " a\n b")
     assert table["data"] == [] and "maximum context length is 64" in notice
-    assert collect(complete_text(tiny, None, "word", False, 0.0, 1.0, 0, 4, "", ""))[-1][0]  # still serving
+    assert collect(complete_text(tiny, "word", False, 0.0, 1.0, 0, 4, "", ""))[-1][0]  # still serving
 
 
 def test_a_shutdown_cuts_a_reply_short_and_refuses_new_ones_with_a_message(tiny_engine_factory):
@@ -298,7 +298,7 @@ def test_a_shutdown_cuts_a_reply_short_and_refuses_new_ones_with_a_message(tiny_
     _, history, _, _ = add_user_message("hi", [], False)
 
     async def shut_down_mid_reply():
-        replies = generate_reply(tiny, None, history, *{**GREEDY, "max_tokens": 480}.values())
+        replies = generate_reply(tiny, history, *{**GREEDY, "max_tokens": 480}.values())
         first = await replies.__anext__()
         tiny.drain()
         engine.abort_all()  # what a shutdown does once its drain timeout is over
@@ -348,7 +348,7 @@ def test_model_still_loading_at_start_is_a_message_not_a_crash(tiny_engine_facto
 
 def test_complete_uses_the_raw_prompt_without_a_chat_template(registry):
     prompt = "The capital of France is"
-    outputs = collect(complete_text(registry, None, prompt, True, 0.0, 1.0, 0, 12, "", ""))
+    outputs = collect(complete_text(registry, prompt, True, 0.0, 1.0, 0, 12, "", ""))
     text, tokens_html, status = outputs[-1]
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
     expected = asyncio.run(engine_of(registry).complete(prompt, greedy)).choices[0].text
@@ -358,7 +358,7 @@ def test_complete_uses_the_raw_prompt_without_a_chat_template(registry):
 
 
 def test_complete_stop_sequence_and_hidden_logprobs(registry):
-    text, tokens_html, status = collect(complete_text(registry, None, "1, 2, 3, 4,", False, 0.0, 1.0, 0, 20, "", " 7"))[-1]
+    text, tokens_html, status = collect(complete_text(registry, "1, 2, 3, 4,", False, 0.0, 1.0, 0, 20, "", " 7"))[-1]
     assert text.startswith(" 5, 6,") and "7" not in text
     assert tokens_html == "" and "stop sequence ' 7'" in status
 
@@ -398,7 +398,7 @@ def test_two_users_generate_at_the_same_time(registry):
 
     async def one_user():
         last = None
-        async for last in generate_reply(registry, None, history, *GREEDY.values()):
+        async for last in generate_reply(registry, history, *GREEDY.values()):
             seen_running.append(engine_of(registry).stats().num_running)
         return reply_of(last[1])
 
@@ -413,7 +413,7 @@ def test_two_users_generate_at_the_same_time(registry):
 def test_a_json_schema_holds_the_reply_and_it_shows_indented_and_validated(registry):
     _, history, _, _ = add_user_message("What is the capital of France? Answer in JSON.", [], False)
     args = {**GREEDY, "max_tokens": 64, "schema_text": json.dumps(CITY)}
-    outputs = collect(generate_reply(registry, None, history, *args.values()))
+    outputs = collect(generate_reply(registry, history, *args.values()))
     chatbot, history, notice = outputs[-1]
     raw = reply_of(history)
     value = json.loads(raw)
@@ -459,7 +459,7 @@ def test_a_bad_schema_is_a_message_and_nothing_is_generated(registry, schema_tex
     _, history, _, _ = add_user_message("What is the capital of France?", [], False)
     generated_before = engine_of(registry).stats().num_generated_tokens
     with pytest.warns(UserWarning, match=message.split(":")[0]):
-        outputs = collect(generate_reply(registry, None, history, *{**GREEDY, "schema_text": schema_text}.values()))
+        outputs = collect(generate_reply(registry, history, *{**GREEDY, "schema_text": schema_text}.values()))
     (chatbot, kept, notice), = outputs
     assert notice.startswith("\u26a0\ufe0f") and message in notice
     assert kept == history and len(chatbot) == 1  # nothing half-made was added

@@ -18,7 +18,7 @@ GREEDY = dict(system_prompt="", temperature=0.0, top_p=1.0, top_k=0, max_tokens=
 
 def replies(models: ModelRegistry, history: list[dict]) -> list[tuple]:
     async def run():
-        return [out async for out in generate_reply(models, None, history, session=ChatSession(), **GREEDY)]
+        return [out async for out in generate_reply(models, history, session=ChatSession(), **GREEDY)]
 
     return asyncio.run(run())
 
