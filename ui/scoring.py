@@ -35,8 +35,8 @@ async def score_continuations(registry: ModelRegistry, prompt: str, continuation
         return
     try:
         model_ids = [registry.resolve(model)]
-        if second_model and second_model != NO_SECOND_MODEL:
-            model_ids.append(registry.resolve(second_model))
+        if second_model and second_model != NO_SECOND_MODEL and registry.resolve(second_model) != model_ids[0]:
+            model_ids.append(registry.resolve(second_model))  # the same model twice is one ranking
         loading = [model_id for model_id in model_ids if needs_loading(registry, model_id)]
         if loading:
             yield _table([]), "", " ".join(loading_message(model_id) for model_id in loading)
