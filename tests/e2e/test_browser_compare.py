@@ -1,7 +1,8 @@
 """Several models in the UI, in a real browser (Debian's chromium via Playwright) against one real server with two
 models (the default one, loaded at start, and a tiny random one, loaded when first asked for) and an API key: the page
 and the Compare tab's events need the key; Compare streams both answers side by side, each token's probabilities on
-hover, each answer's total the sum of the shown logprobs; the Server tab lists both models with their state."""
+hover, each answer's total the sum of the shown logprobs; Score ranks under both in one table; the Server tab lists
+both models with their state."""
 from __future__ import annotations
 
 import os
@@ -97,6 +98,17 @@ def test_compare_streams_two_answers_side_by_side_with_probabilities_on_hover(pa
     assert page.evaluate("() => getComputedStyle(document.activeElement, '::after').content").count("%") >= 1
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "ui-compare.png"), full_page=True)
+
+
+def test_score_ranks_the_same_continuations_under_both_models_in_one_table(page):
+    page.get_by_role("tab", name="Score").click()
+    page.locator("#score-second-model input").click()
+    page.get_by_role("option", name=TINY).click()
+    page.locator("#score-button").click()
+    page.wait_for_function("() => document.querySelector('#score-table')?.innerText.includes('Per token (tiny)')")
+    table = page.locator("#score-table").inner_text()
+    assert "Log-likelihood (smol)" in table and "Log-likelihood (tiny)" in table and "Paris" in table
+    page.get_by_text("Under tiny").wait_for()  # each model's surprises, one section each
 
 
 def test_the_server_tab_lists_both_models_with_their_state(page):
