@@ -82,6 +82,8 @@ class _ModelsCollector:
                                       labels=["model", "reason"])
         load_seconds = GaugeMetricFamily("tern_model_load_seconds", "How long the model's last load took",
                                          labels=["model"])
+        leases = GaugeMetricFamily("tern_model_leases", "Requests holding the model loaded now (from their lookup of "
+                                   "it until their response has ended)", labels=["model"])
         for status in statuses:
             loaded.add_metric([status.id], int(status.state == LOADED))
             for name in _STATES:
@@ -91,7 +93,8 @@ class _ModelsCollector:
                 unloads.add_metric([status.id, reason], status.unloads_by_reason.get(reason, 0))
             if status.last_load_s is not None:
                 load_seconds.add_metric([status.id], status.last_load_s)
-        yield from (loaded, state, loads, unloads, load_seconds)
+            leases.add_metric([status.id], status.num_leases)
+        yield from (loaded, state, loads, unloads, load_seconds, leases)
         yield from _engine_families([(s.id, self.models.handle(s.id).engine) for s in statuses])
 
 

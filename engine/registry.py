@@ -50,7 +50,8 @@ class ModelRegistry:
     def serving(cls, handle: EngineHandle | Engine) -> ModelRegistry:
         """A registry over one model whose engine someone else loads and owns (a test's engine, or a handle loading
         on another thread): the model is `loading` until the handle has its engine, then `loaded` for good, or
-        `failed` with the handle's error. Its id is the handle's served name (the engine's model name)."""
+        `failed` with the handle's error. Its id is the handle's served name when built: name the handle, or give it
+        its engine first."""
         if isinstance(handle, Engine):
             engine, handle = handle, EngineHandle()
             handle.set_engine(engine)

@@ -117,6 +117,19 @@ def test_a_model_loads_on_demand_while_another_streams_uninterrupted(server, cli
     assert states(server)[DEFAULT] == "loaded"
 
 
+def test_a_stream_holds_its_model_until_it_ends_or_its_client_leaves(server):
+    leases = f'tern_model_leases{{model="{DEFAULT}"}}'
+    body = {"model": DEFAULT, "prompt": "Hi", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=TIMEOUT_S) as response:
+        lines = response.iter_lines()  # kept: a dropped iterator closes the stream
+        next(lines)  # streaming: its model is leased
+        assert metric(server, leases) == 1
+    deadline = time.monotonic() + WAIT_S  # the client left: the lease goes with the response
+    while metric(server, leases) != 0:
+        assert time.monotonic() < deadline, "the lease outlived its stream"
+        time.sleep(0.1)
+
+
 def test_the_least_recently_used_idle_model_is_evicted_for_a_newcomer(server, client):
     ask(client, TINY_A)  # loaded beside the default model (--max-loaded 2)
     ask(client, DEFAULT)  # now the default model is the more recently used
