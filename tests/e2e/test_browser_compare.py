@@ -66,7 +66,8 @@ def page(server):
 
 def test_the_compare_events_need_the_key(server):
     with httpx.Client(base_url=server, timeout=60) as outsider:
-        assert outsider.post("/gradio_api/call/compare", json={"data": [SMOL, TINY, "Chat", "hi", ""]}).status_code == 401
+        call = outsider.post("/gradio_api/call/compare", json={"data": [SMOL, TINY, "Chat", "hi", ""]})
+        assert call.status_code == 401
         assert outsider.get("/gradio_api/info").status_code == 401
     with httpx.Client(base_url=server, timeout=60) as user:
         assert user.post("/login", data={"username": "anyone", "password": API_KEY}).status_code == 200

@@ -1,6 +1,7 @@
 """Several models in the UI, handlers called directly on real registries of tiny random engines: Compare streams two
 models side by side and at once, each answer with its logprob total; Score ranks under two models in one table; an
-unloaded model loads on first use (and says so); every action releases its leases, also when stopped."""
+unloaded model loads on first use (and says so); Chat answers as the picked model; the Server tab shows every model's
+state without loading any; every action releases its leases, also when stopped."""
 from __future__ import annotations
 
 import asyncio
@@ -9,9 +10,12 @@ import time
 
 import pytest
 
+from engine import SamplingParams
+from ui.chat import ChatSession, build_messages, generate_reply
 from ui.compare import CHAT, COMPLETION, compare_models
 from ui.complete import complete_text
 from ui.scoring import score_continuations
+from ui.server import refresh_server_tab
 
 SHOWN_LOGPROB = re.compile(r"\(logprob (-?\d+\.\d+)\)")  # each token's hover text
 TOTAL = re.compile(r"(\d+) tokens \u00b7 total logprob \*\*(-?\d+\.\d+)\*\*")
@@ -55,8 +59,9 @@ def test_compare_streams_both_models_at_once_each_with_its_total(tiny_registry):
 
     async def watch():
         """Every update, with whether each model's engine was generating when it came."""
-        return [(update, [engine.has_requests for engine in engines]) async for update in compare_models(
-            registry, "a", "b", COMPLETION, "The three primary colours are", "", *{**GREEDY, "max_tokens": 64}.values())]
+        updates = compare_models(registry, "a", "b", COMPLETION, "The three primary colours are", "",
+                                 *{**GREEDY, "max_tokens": 64}.values())
+        return [(update, [engine.has_requests for engine in engines]) async for update in updates]
 
     watched = asyncio.run(watch())
     html_a, status_a, html_b, status_b = watched[-1][0]
@@ -156,8 +161,35 @@ def test_score_ranks_the_same_continuations_under_two_models_in_one_table(tiny_r
     assert sorted(row[5] for row in rows) == [1, 2, 3]
     # Each model's columns are what that model alone gives.
     alone_a = {row[1]: row[2] for row in score()[0]["data"]}
-    alone_b = {row[1]: row[2] for row in collect(score_continuations(registry, prompt, continuations, "b"))[-1][0]["data"]}
+    table_b = collect(score_continuations(registry, prompt, continuations, "b"))[-1][0]
+    alone_b = {row[1]: row[2] for row in table_b["data"]}
     assert {row[0]: row[2] for row in rows} == alone_a and {row[0]: row[6] for row in rows} == alone_b
     assert alone_a != alone_b  # two models, two rankings
     assert "Under <b>a</b>" in tokens_html and "Under <b>b</b>" in tokens_html and "`b` finds" in notice
     assert_released(registry)
+
+
+def test_chat_answers_as_the_picked_model(tiny_registry):
+    registry = tiny_registry({"a": 0, "b": 1})
+    history = [{"role": "user", "content": "Hello", "tokens": None}]
+    controls = dict(system_prompt="", session=ChatSession(), temperature=0.0, top_p=1.0, top_k=0, max_tokens=8,
+                    seed="", stop="", schema_text="")
+    replies = {model: collect(generate_reply(registry, history, **controls, model=model))[-1][1][-1]["content"]
+               for model in ("a", "b")}
+    engine_b = registry.handle("b").engine
+    prompt_ids = engine_b.tokenizer.chat_prompt_ids(build_messages(history, ""))
+    expected_b = engine_b.generate([prompt_ids], SamplingParams(temperature=0.0, max_tokens=8))[0].choices[0].text
+    assert replies["b"] == expected_b and replies["a"] != replies["b"]
+    assert_released(registry)
+
+
+def test_the_server_tab_shows_every_model_with_its_state(tiny_registry):
+    registry = tiny_registry({"a": 0, "b": 1}, preload=False)
+    registry.acquire("b", timeout_s=120).release()
+    models, facts, stats = refresh_server_tab(registry, "a")
+    assert [(row[0], row[1]) for row in models] == [("a", "not loaded (loads on its first request)"), ("b", "loaded")]
+    assert dict(facts) == {"Model id": "a", "Status": "not loaded (loads on its first request)"}
+    assert stats == [["Engine", "not running yet"]]  # looking does not load it
+    models, facts, stats = refresh_server_tab(registry, "b")
+    assert dict(facts)["Model id"] == "b" and dict(stats)["Running requests"] == "0"
+    assert registry.status("a").state == "unloaded"

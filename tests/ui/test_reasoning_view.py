@@ -60,7 +60,8 @@ def test_a_reasoned_turn_shows_reasoning_then_answer_and_goes_back_as_reasoning_
 def test_a_model_that_does_not_think_shows_no_reasoning(default_tokenizer):
     engine, think_id = thinking_engine(default_tokenizer, QWEN3_TEMPLATE)
     try:
-        chatbot, history, _ = replies(ModelRegistry.serving(engine), [{"role": "user", "content": "Hello", "tokens": None}])[-1]
+        hello = [{"role": "user", "content": "Hello", "tokens": None}]
+        chatbot, history, _ = replies(ModelRegistry.serving(engine), hello)[-1]
         # Qwen3's template leaves the choice to the model; this random one never opens <think>.
         assert all("metadata" not in message for message in chatbot)
         assert history[-1]["content"] != "" and history[-1]["reasoning"] == ""
