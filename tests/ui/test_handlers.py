@@ -49,8 +49,8 @@ VALID_MARK = "\u2713 Valid JSON"
 
 @pytest.fixture(scope="module")
 def registry(default_engine) -> ModelRegistry:
-    """The default model as a one-model server serves it. Not stopped after: the engine is the session's."""
-    return registry_over({"SmolLM2-135M-Instruct": lambda: default_engine})
+    """The default model as a one-model server serves it (the engine stays the session's)."""
+    return ModelRegistry.serving(default_engine)
 
 
 def engine_of(registry: ModelRegistry):
@@ -58,7 +58,7 @@ def engine_of(registry: ModelRegistry):
 
 
 def tiny_served(engine) -> ModelRegistry:
-    return registry_over({"tiny": lambda: engine})
+    return ModelRegistry.serving(engine)
 
 
 def collect(agen) -> list:
