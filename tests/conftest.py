@@ -16,6 +16,7 @@ import torch
 
 from engine import Engine, EngineConfig, kernels
 from engine.config import default_cache_dir
+from engine.registry import ModelRegistry, ModelSpec
 from engine.weights.checkpoint import default_gguf_path, dequantized_checkpoint
 from engine.weights.loader import LoadedModel, build_native
 from engine.models import NATIVE_MODELS
@@ -348,3 +349,32 @@ def thinking_engine(default_tokenizer, template: str) -> tuple[Engine, int]:
     tokenizer.chat_template = template
     _, loaded = build_tiny(tiny_config("qwen3", vocab_size=len(tokenizer)), tokenizer)
     return Engine(EngineConfig(dtype="float32"), loaded=loaded).start(), tokenizer.convert_tokens_to_ids("<think>")
+
+
+# The UI's handlers take a ModelRegistry: real registries whose models are engines the tests made (the shared default
+# model, tiny random ones), loaded through the registry's own load path.
+def registry_over(builders: dict, max_loaded: int | None = None, preload: bool = True) -> ModelRegistry:
+    """A started registry serving one model per id, built by its builder when the registry loads it. With preload,
+    every model is loaded before this returns (by leasing it once), as a server's are once it says ready."""
+    specs = [ModelSpec(model_id, EngineConfig(model=model_id)) for model_id in builders]
+    registry = ModelRegistry(specs, max_loaded=max_loaded, load=lambda config: builders[config.model]()).start()
+    if preload:
+        for model_id in builders:
+            registry.acquire(model_id, timeout_s=120).release()
+    return registry
+
+
+@pytest.fixture
+def tiny_registry(tiny_engine_factory):
+    """Make registries over tiny random engines: registry({"a": seed, "b": seed}, ...); each model is a tiny Llama
+    with that seed's weights, built only when the registry loads it. Every engine is stopped after the test."""
+    registries = []
+
+    def make(seeds: dict[str, int], max_loaded: int | None = None, preload: bool = True):
+        builders = {model_id: (lambda seed=seed: tiny_engine_factory(seed=seed)[0]) for model_id, seed in seeds.items()}
+        registries.append(registry_over(builders, max_loaded=max_loaded, preload=preload))
+        return registries[-1]
+
+    yield make
+    for registry in registries:
+        registry.stop()

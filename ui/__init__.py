@@ -1,4 +1,5 @@
-"""Gradio UI at "/": Chat, Complete, Score and Server tabs over the in-process engine (never over HTTP)."""
+"""Gradio UI at "/": Chat, Complete, Score, Compare (with several models) and Server tabs over the in-process
+engines of the ModelRegistry (never over HTTP)."""
 from __future__ import annotations
 
 import hmac
@@ -38,9 +39,9 @@ if "gradio" not in sys.modules:
 
 import gradio as gr  # noqa: E402
 
-from engine import EngineHandle
-from engine.registry import ModelRegistry
+from engine.registry import FAILED, LOADED, ModelRegistry
 from ui.chat import build_chat_tab
+from ui.compare import build_compare_tab
 from ui.complete import build_complete_tab
 from ui.scoring import build_scoring_tab
 from ui.server import build_server_tab, describe_model
@@ -77,35 +78,38 @@ PAGE_CSS = """
 .tern-legend-swatch { border-radius: 3px; padding: 0 6px; margin-left: 4px; }
 .tern-score-row { display: flex; gap: 10px; align-items: baseline; padding: 4px 0;
   border-bottom: 1px solid var(--border-color-primary); }
+.tern-score-model { margin-top: 8px; font-size: 13px; }
 .tern-score-rank { font-weight: 600; min-width: 2em; color: var(--body-text-color-subdued); }
-#chat-notice p, #score-notice p, #complete-status p { margin: 0; }
+#chat-notice p, #score-notice p, #complete-status p, #compare-status-a p, #compare-status-b p { margin: 0; }
 </style>
 """
 
 
-def build_ui(models: ModelRegistry | EngineHandle) -> gr.Blocks:
-    """The whole UI; handlers reach the engine through the default model's handle, so it can be built before the
-    model loads."""
-    handle = models.handle() if isinstance(models, ModelRegistry) else models
+def build_ui(registry: ModelRegistry) -> gr.Blocks:
+    """The whole UI; handlers lease an engine from `registry` for each action, so it can be built before any model
+    loads. Every tab has a model picker (hidden with one model served); Compare is there with two or more."""
     # analytics_enabled=False: Gradio would otherwise report usage and check its version over the internet at
     # every start (two threads, and traffic an operator did not ask for); the server stays on its machine.
     with gr.Blocks(title="Tern", analytics_enabled=False) as blocks:
         gr.HTML(PAGE_CSS, padding=False, elem_id="tern-style")
-        header = gr.Markdown(describe_model(handle), elem_id="tern-header")
+        header = gr.Markdown(describe_model(registry), elem_id="tern-header")
         with gr.Tabs():
             with gr.Tab("Chat", id="chat"):
-                build_chat_tab(handle)
+                build_chat_tab(registry)
             with gr.Tab("Complete", id="complete"):
-                build_complete_tab(handle)
+                build_complete_tab(registry)
             with gr.Tab("Score", id="score"):
-                build_scoring_tab(handle)
+                build_scoring_tab(registry)
+            if len(registry.ids) > 1:
+                with gr.Tab("Compare", id="compare"):
+                    build_compare_tab(registry)
             with gr.Tab("Server", id="server"):
-                build_server_tab(handle, blocks)
+                build_server_tab(registry, blocks)
 
         header_timer = gr.Timer(HEADER_REFRESH_S)
-        header_timer.tick(partial(_refresh_header, handle), None, [header, header_timer], show_progress="hidden",
+        header_timer.tick(partial(_refresh_header, registry), None, [header, header_timer], show_progress="hidden",
                           queue=False)
-        blocks.load(partial(_refresh_header, handle), None, [header, header_timer], queue=False)
+        blocks.load(partial(_refresh_header, registry), None, [header, header_timer], queue=False)
     # Generating events already say concurrency_limit=None; this covers the rest: the engine batches users itself.
     blocks.queue(default_concurrency_limit=None)
     _poll_queue_less_often(blocks)
@@ -130,6 +134,6 @@ def _poll_queue_less_often(blocks: gr.Blocks) -> None:
     queue.progress_update_sleep_when_free = max(queue.progress_update_sleep_when_free, QUEUE_PROGRESS_POLL_S)
 
 
-def _refresh_header(handle: EngineHandle) -> tuple[str, gr.Timer]:
-    """The model description; the timer stops once the engine is up (or has failed)."""
-    return describe_model(handle), gr.Timer(active=not (handle.is_ready or handle.error))
+def _refresh_header(registry: ModelRegistry) -> tuple[str, gr.Timer]:
+    """The default model's description; the timer stops once it is loaded (or has failed)."""
+    return describe_model(registry), gr.Timer(active=registry.status().state not in (LOADED, FAILED))

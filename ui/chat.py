@@ -1,17 +1,19 @@
-"""Chat tab: multi-turn streaming chat with a system prompt, sampling controls, an optional JSON schema for the
-reply, Stop / Retry / Clear (one reply at a time: sending is locked while one streams) and a view of each token's
-probability. Handlers take the EngineHandle first; build_chat_tab binds it."""
+"""Chat tab: multi-turn streaming chat on the picked model with a system prompt, sampling controls, an optional JSON
+schema, Stop / Retry / Clear (one reply at a time) and each token's probability. Handlers take the ModelRegistry."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from dataclasses import dataclass
 from functools import partial
 
 import gradio as gr
 
-from engine import FINISH_ABORT, EngineError, EngineHandle
+from engine import FINISH_ABORT, EngineError
+from engine.registry import ModelRegistry
 from engine.text.reasoning import reply_start_for, thinking_kwargs
-from ui.feedback import not_ready_message, ready_engine, report_error
+from ui.feedback import report_error
+from ui.models import build_model_picker, lease_model, loading_message, needs_loading
 from ui.sampling import SamplingControls, build_sampling_controls, sampling_params
 from ui.schema import STREAMING, check_reply, compile_schema, render_json_reply
 from ui.tokens import LEGEND_HTML, render_tokens_html, token_views
@@ -22,7 +24,6 @@ from ui.tokens import LEGEND_HTML, render_tokens_html, token_views
 # model's reply keeps its reasoning apart in "reasoning" (engine/text/reasoning.py), shown folded above the answer.
 
 REASONING_TITLE = "Reasoning"
-
 INPUT_PLACEHOLDER = "Type a message and press Enter"
 BUSY_PLACEHOLDER = "Replying\u2026 wait for the reply to finish, or press Stop"
 # A disabled textbox loses the keyboard focus; give it back once the reply has ended, unless the user has since
@@ -55,7 +56,7 @@ def add_user_message(message: str, history: list[dict], show_probs: bool) -> tup
 
 
 async def generate_reply(
-    handle: EngineHandle,
+    registry: ModelRegistry,
     history: list[dict],
     system_prompt: str,
     session: ChatSession,
@@ -66,20 +67,33 @@ async def generate_reply(
     seed: str | None,
     stop: str,
     schema_text: str = "",
+    model: str | None = None,
 ):
-    """Stream the assistant's answer to the last user turn. Yields (chatbot, history, notice) as tokens arrive.
-    With a JSON schema the reply is held to it, then shown indented with whether it validated. Each update renders
-    the chatbot in the view chosen at that moment (`session.show_probs` may change while the reply streams).
-
-    Stop, closing the tab and Gradio's cancellation all end this generator early; `finally` then aborts the
-    request so the engine frees its KV blocks."""
+    """Stream `model`'s answer to the last user turn (loading the model first, saying so, when it is not loaded).
+    Yields (chatbot, history, notice) as tokens arrive. With a JSON schema the reply is held to it, then shown
+    indented with whether it validated. Each update renders the chatbot in the view chosen at that moment
+    (`session.show_probs` may change while the reply streams). Stop, closing the tab and Gradio's cancellation all
+    end this generator early; the request is then aborted (the engine frees its KV blocks) and the lease released."""
     if not history or history[-1]["role"] != "user":
         yield render_chatbot(history, session.show_probs), history, ""
         return
-    engine = ready_engine(handle)
-    if engine is None:
-        yield render_chatbot(history, session.show_probs), history, f"\u26a0\ufe0f {not_ready_message(handle)}"
+    try:
+        if needs_loading(registry, model):
+            yield render_chatbot(history, session.show_probs), history, loading_message(registry.resolve(model))
+        lease = await lease_model(registry, model)
+    except EngineError as exc:
+        yield render_chatbot(history, session.show_probs), history, report_error(exc)
         return
+    # Closed before the lease is released, however this generator ends: the request is aborted first.
+    with lease:
+        async with aclosing(_reply_on(lease.engine, history, system_prompt, session, schema_text, temperature, top_p,
+                                      top_k, max_tokens, seed, stop)) as updates:
+            async for update in updates:
+                yield update
+
+
+async def _reply_on(engine, history, system_prompt, session, schema_text, *controls):
+    temperature, top_p, top_k, max_tokens, seed, stop = controls
     try:
         # Off the event loop: compiling a schema must not hold up the other users' streams.
         schema = await asyncio.to_thread(compile_schema, engine, schema_text)
@@ -218,12 +232,13 @@ def render_chatbot(history: list[dict], show_probs: bool) -> list[dict]:
     return messages
 
 
-def build_chat_tab(handle: EngineHandle) -> None:
+def build_chat_tab(registry: ModelRegistry) -> None:
     """Lay out the Chat tab and wire its events (inside a gr.Blocks context)."""
     history = gr.State([])
     session = gr.State(ChatSession())  # deep-copied for each browser tab
     with gr.Row(equal_height=False):
         with gr.Column(scale=3, min_width=320):
+            model = build_model_picker(registry, "chat-model")
             chatbot = gr.Chatbot(
                 label="Conversation", elem_id="chat-log", height=460, latex_delimiters=[], buttons=["copy"],
                 placeholder="Ask the model anything. Replies stream in as they are generated.",
@@ -257,9 +272,10 @@ def build_chat_tab(handle: EngineHandle) -> None:
                          "blank = free text. Asking for JSON in the message helps the model fill it in well.",
                 )
 
-    reply_inputs = [history, system_prompt, session, *controls.inputs, schema_box]
+    # The model last: a Gradio API call written for one model (no model argument) still means the same.
+    reply_inputs = [history, system_prompt, session, *controls.inputs, schema_box, model]
     reply_outputs = [chatbot, history, notice]
-    reply = partial(generate_reply, handle)
+    reply = partial(generate_reply, registry)
     send_events = [
         trigger(add_user_message, [message, history, show_probs], [message, history, chatbot, notice], queue=False)
         .then(reply, reply_inputs, reply_outputs, concurrency_limit=None, show_progress="minimal")

@@ -5,8 +5,10 @@ from functools import partial
 
 import gradio as gr
 
-from engine import FINISH_ABORT, EngineError, EngineHandle
-from ui.feedback import not_ready_message, ready_engine, report_error
+from engine import FINISH_ABORT, EngineError
+from engine.registry import ModelRegistry
+from ui.feedback import report_error
+from ui.models import build_model_picker, lease_model, loading_message, needs_loading
 from ui.sampling import build_sampling_controls, sampling_params
 from ui.tokens import render_tokens_html, token_views
 
@@ -14,7 +16,7 @@ EXAMPLE_PROMPT = "The three primary colours are"
 
 
 async def complete_text(
-    handle: EngineHandle,
+    registry: ModelRegistry,
     prompt: str,
     show_logprobs: bool,
     temperature: float,
@@ -23,16 +25,23 @@ async def complete_text(
     max_tokens: int,
     seed: str | None,
     stop: str,
+    model: str | None = None,
 ):
-    """Stream the continuation of `prompt` exactly as typed. Yields (completion, tokens_html, status)."""
-    engine = ready_engine(handle)
-    if engine is None:
-        yield "", "", f"\u26a0\ufe0f {not_ready_message(handle)}"
-        return
+    """Stream the continuation of `prompt` exactly as typed, on `model` (loaded first if it is not). Yields
+    (completion, tokens_html, status). Holds a lease on the model until it ends, however it ends."""
     try:
         params = sampling_params(temperature, top_p, top_k, max_tokens, seed, stop)
+        if needs_loading(registry, model):
+            yield "", "", loading_message(registry.resolve(model))
+        lease = await lease_model(registry, model)
+    except EngineError as exc:
+        yield "", "", report_error(exc)
+        return
+    try:
+        engine = lease.engine
         stream = engine.submit(prompt, params)  # a str is encoded with the tokenizer's BOS, like /v1/completions
     except EngineError as exc:
+        lease.release()
         yield "", "", report_error(exc)
         return
     text, tokens = "", []
@@ -46,12 +55,14 @@ async def complete_text(
         yield text, render_tokens_html(tokens) if show_logprobs else "", report_error(exc)
     finally:
         stream.close()  # Stop pressed or the tab closed: the engine frees its KV blocks now
+        lease.release()  # and the model may be unloaded again once idle
 
 
-def build_complete_tab(handle: EngineHandle) -> None:
+def build_complete_tab(registry: ModelRegistry) -> None:
     """Lay out the Complete tab and wire its events (inside a gr.Blocks context)."""
     with gr.Row(equal_height=False):
         with gr.Column(scale=3, min_width=320):
+            model = build_model_picker(registry, "complete-model")
             prompt = gr.Textbox(
                 label="Prompt", value=EXAMPLE_PROMPT, lines=6, max_lines=20, elem_id="complete-prompt",
                 info="sent as typed: no chat template, so the model simply continues the text",
@@ -70,9 +81,10 @@ def build_complete_tab(handle: EngineHandle) -> None:
                 "complete", default_max_tokens=64, default_temperature=0.0, default_top_p=1.0
             )
 
-    inputs = [prompt, show_logprobs, *controls.inputs]
+    # The model last: a Gradio API call written for one model (no model argument) still means the same.
+    inputs = [prompt, show_logprobs, *controls.inputs, model]
     outputs = [completion, tokens_html, status]
-    run = partial(complete_text, handle)
+    run = partial(complete_text, registry)
     event = generate.click(run, inputs, outputs, concurrency_limit=None, show_progress="minimal")
     stop.click(None, cancels=[event])
 

@@ -1,26 +1,14 @@
-"""What a user sees when something is off: the model still loading, or a request the engine refused."""
+"""What a user sees when something is off: a model that cannot serve (still loading, failed), or a request the
+engine refused."""
 from __future__ import annotations
 
 import logging
 
 import gradio as gr
 
-from engine import DrainingError, Engine, EngineError, EngineHandle, QueueFullError
+from engine import DrainingError, EngineError, QueueFullError
 
 logger = logging.getLogger(__name__)
-
-
-def ready_engine(handle: EngineHandle) -> Engine | None:
-    """The engine, or None after telling the user why there is none yet (a toast)."""
-    if handle.engine is None:
-        gr.Warning(not_ready_message(handle))
-    return handle.engine
-
-
-def not_ready_message(handle: EngineHandle) -> str:
-    if handle.error:
-        return f"The model failed to load: {handle.error}"
-    return "The model is still loading; try again in a few seconds."
 
 
 def report_error(exc: Exception) -> str:

@@ -1,4 +1,5 @@
-"""Server tab: what is loaded, live engine load (refreshed by a gr.Timer) and a ready-to-copy openai SDK snippet."""
+"""Server tab: every served model with its state, what the picked one is, its live engine load (refreshed by a
+gr.Timer) and a ready-to-copy openai SDK snippet."""
 from __future__ import annotations
 
 from functools import partial
@@ -6,35 +7,49 @@ from functools import partial
 import gradio as gr
 
 from engine import EngineHandle, EngineInfo
+from engine.registry import FAILED, ModelRegistry
+from ui.models import STATE_TEXT, STATUS_HEADERS, build_model_picker, status_rows
 
 REFRESH_S = 2.0
 
 
-def describe_model(handle: EngineHandle) -> str:
-    """The one-paragraph header at the top of the page."""
+def describe_model(registry: ModelRegistry) -> str:
+    """The one-paragraph header at the top of the page: the default model, and the others when there are several."""
+    handle = registry.handle()
     engine = handle.engine
+    others = ""
+    if len(registry.ids) > 1:
+        names = ", ".join(f"`{model_id}`" for model_id in registry.ids)
+        others = (f" This server serves {len(registry.ids)} models ({names}): pick one on each tab, or **Compare** "
+                  "two side by side.")
     if engine is None:
-        state = f"failed to load: {handle.error}" if handle.error else "loading the model\u2026"
-        return f"# Tern\n{state}"
+        state = registry.status().state
+        if state != FAILED:
+            text = STATE_TEXT.get(state, state).capitalize()
+            end = "" if text.endswith("\u2026") else "."
+            return f"# Tern \u00b7 {registry.default_id}\n{text}{end}{others}"
+        return f"# Tern\nfailed to load: {handle.error}{others}"
     info = engine.info()
     kind = "an instruction-tuned chat model" if info.has_chat_template else "a base model (no chat template)"
     return (
-        f"# Tern \u00b7 {handle.served_model_name}\n"
+        f"# Tern \u00b7 {registry.default_id}\n"
         f"{format_count(info.num_parameters)} parameters, {kind}, running {info.dtype} on "
         f"{info.device}, with a {info.max_model_len:,}-token context. **Chat** with it, **Complete** raw text, "
-        "**Score** continuations by likelihood, or call the OpenAI-compatible API at `/v1` (see **Server**)."
+        f"**Score** continuations by likelihood, or call the OpenAI-compatible API at `/v1` (see **Server**).{others}"
     )
 
 
-def model_facts(handle: EngineHandle) -> list[list[str]]:
-    """Rows (fact, value) describing the loaded model."""
-    engine = handle.engine
+def model_facts(registry: ModelRegistry, model: str | None = None) -> list[list[str]]:
+    """Rows (fact, value) describing one served model: what it is when loaded, else its state."""
+    status = registry.status(model)
+    engine = registry.handle(model).engine
     if engine is None:
-        return [["Status", f"failed: {handle.error}" if handle.error else "loading\u2026"]]
+        state = f"failed: {status.error}" if status.state == FAILED else STATE_TEXT.get(status.state, status.state)
+        return [["Model id", status.id], ["Status", state]]
     info = engine.info()
     weight_bytes, kv_bytes = info.weight_bytes, info.kv_cache_bytes
     return [
-        ["Model id", handle.served_model_name],
+        ["Model id", status.id],
         ["Parameters", f"{format_count(info.num_parameters)} ({info.num_parameters:,})"],
         ["Dtype", info.dtype],
         ["Quantization", info.weights],
@@ -80,13 +95,13 @@ def base_url(request: gr.Request | None) -> str:
     return f"{scheme}://{host}/v1"
 
 
-def openai_snippet(handle: EngineHandle, request: gr.Request) -> str:
+def openai_snippet(model_id: str, request: gr.Request | None) -> str:
     """Python that talks to this server with the official openai SDK."""
     return (
         "from openai import OpenAI\n\n"
         f'client = OpenAI(base_url="{base_url(request)}", api_key="none")  # or your TERN_API_KEY\n'
         "reply = client.chat.completions.create(\n"
-        f'    model="{handle.served_model_name}",\n'
+        f'    model="{model_id}",\n'
         '    messages=[{"role": "user", "content": "What is the capital of France?"}],\n'
         ")\n"
         "print(reply.choices[0].message.content)\n"
@@ -107,30 +122,37 @@ def format_bytes(size_bytes: int) -> str:
     return f"{size_bytes} B"
 
 
-def build_server_tab(handle: EngineHandle, blocks: gr.Blocks) -> None:
+def build_server_tab(registry: ModelRegistry, blocks: gr.Blocks) -> None:
     """Lay out the Server tab and wire its refreshes (inside `blocks`' context)."""
+    models = gr.Dataframe(status_rows(registry.statuses()), headers=STATUS_HEADERS, interactive=False,
+                          elem_id="server-models", label="Served models", visible=len(registry.ids) > 1)
+    model = build_model_picker(registry, "server-model-picker", label="Details of")
     with gr.Row(equal_height=False):
         with gr.Column(min_width=300):
-            facts = gr.Dataframe(model_facts(handle), headers=["Loaded model", ""], interactive=False,
+            facts = gr.Dataframe(model_facts(registry), headers=["Model", ""], interactive=False,
                                  elem_id="server-model", show_label=False)
         with gr.Column(min_width=300):
-            stats = gr.Dataframe(live_stats(handle), headers=[f"Engine load (every {REFRESH_S:g} s)", ""],
+            stats = gr.Dataframe(live_stats(registry.handle()), headers=[f"Engine load (every {REFRESH_S:g} s)", ""],
                                  interactive=False, elem_id="server-stats", show_label=False)
     snippet = gr.Code(language="python", label="Use this server from Python (pip install openai)",
                       elem_id="server-snippet", interactive=False)
 
-    def show_snippet(request: gr.Request) -> str:
-        return openai_snippet(handle, request)
+    def show_snippet(model_id: str, request: gr.Request) -> str:
+        return openai_snippet(registry.resolve(model_id), request)
 
     timer = gr.Timer(REFRESH_S)
-    refresh = partial(_model_and_load, handle)
-    timer.tick(refresh, None, [facts, stats], show_progress="hidden", queue=False)
-    blocks.load(refresh, None, [facts, stats], queue=False)
-    blocks.load(show_snippet, None, snippet, queue=False)
+    refresh = partial(refresh_server_tab, registry)
+    timer.tick(refresh, model, [models, facts, stats], show_progress="hidden", queue=False)
+    blocks.load(refresh, model, [models, facts, stats], queue=False)
+    model.change(refresh, model, [models, facts, stats], queue=False)
+    blocks.load(show_snippet, model, snippet, queue=False)
+    model.change(show_snippet, model, snippet, queue=False)
 
 
-def _model_and_load(handle: EngineHandle) -> tuple[list[list[str]], list[list[str]]]:
-    return model_facts(handle), live_stats(handle)
+def refresh_server_tab(registry: ModelRegistry, model: str | None) -> tuple[list[list[str]], ...]:
+    """(every model's state, the picked model's facts, its engine's load). Reads only: showing a model never loads
+    it or keeps it loaded."""
+    return status_rows(registry.statuses()), model_facts(registry, model), live_stats(registry.handle(model))
 
 
 def _first(value: str | None) -> str:

@@ -91,6 +91,29 @@ def score_table_rows(ranked: Sequence[tuple[str, ContinuationScore]]) -> list[li
     ]
 
 
+def side_by_side_score_rows(
+    model_ids: Sequence[str], rankings: Sequence[Sequence[tuple[str, ContinuationScore]]]
+) -> tuple[list[str], list[list]]:
+    """(headers, rows) ranking the same continuations under several models in one table: in the first model's order,
+    each model's rank, total and per-token log-likelihood and whether it is greedy, side by side."""
+    columns = ("Rank", "Log-likelihood", "Per token", "Greedy")
+    headers = ["Continuation"] + [f"{column} ({model_id})" for model_id in model_ids for column in columns]
+    by_model = [{text: (rank, score) for rank, (text, score) in enumerate(ranked, start=1)} for ranked in rankings]
+    rows = []
+    for text, _ in rankings[0]:
+        row = [quote_token(text)]
+        for ranks in by_model:
+            rank, score = ranks[text]
+            row += [rank, round(score.logprob, 4), round(score.mean_logprob, 4), "yes" if score.is_greedy else "no"]
+        rows.append(row)
+    return headers, rows
+
+
+def total_logprob(tokens: Sequence[TokenView]) -> float:
+    """The log-probability of the shown text: the sum of its tokens' logprobs."""
+    return math.fsum(token.logprob for token in tokens)
+
+
 def surprise_views(score: ContinuationScore, token_text: TokenText) -> list[TokenView]:
     """A scored continuation's tokens, each noting the model's own top choice where it differs (a surprise)."""
     views = []

@@ -9,15 +9,16 @@ import asyncio
 import pytest
 
 from conftest import OPENING_TEMPLATE, QWEN3_TEMPLATE, thinking_engine
-from engine import EngineHandle, SamplingParams
+from engine import SamplingParams
+from engine.registry import ModelRegistry
 from ui.chat import REASONING_TITLE, ChatSession, build_messages, generate_reply, render_chatbot
 
 GREEDY = dict(system_prompt="", temperature=0.0, top_p=1.0, top_k=0, max_tokens=6, seed="", stop="", schema_text="")
 
 
-def replies(handle: EngineHandle, history: list[dict]) -> list[tuple]:
+def replies(models: ModelRegistry, history: list[dict]) -> list[tuple]:
     async def run():
-        return [out async for out in generate_reply(handle, history, session=ChatSession(), **GREEDY)]
+        return [out async for out in generate_reply(models, history, session=ChatSession(), **GREEDY)]
 
     return asyncio.run(run())
 
@@ -25,14 +26,12 @@ def replies(handle: EngineHandle, history: list[dict]) -> list[tuple]:
 @pytest.fixture
 def opening_handle(default_tokenizer):
     engine, _ = thinking_engine(default_tokenizer, OPENING_TEMPLATE)
-    handle = EngineHandle()
-    handle.set_engine(engine)
-    yield handle
+    yield ModelRegistry.serving(engine)
     engine.stop()
 
 
 def test_the_reasoning_streams_folded_above_the_answer(opening_handle):
-    engine = opening_handle.engine
+    engine = opening_handle.handle().engine
     history = [{"role": "user", "content": "Hello", "tokens": None}]
     prompt_ids = engine.tokenizer.chat_prompt_ids(build_messages(history, ""))
     raw = engine.generate([prompt_ids], SamplingParams(temperature=0.0, max_tokens=6))[0].choices[0].text
@@ -61,9 +60,8 @@ def test_a_reasoned_turn_shows_reasoning_then_answer_and_goes_back_as_reasoning_
 def test_a_model_that_does_not_think_shows_no_reasoning(default_tokenizer):
     engine, think_id = thinking_engine(default_tokenizer, QWEN3_TEMPLATE)
     try:
-        handle = EngineHandle()
-        handle.set_engine(engine)
-        chatbot, history, _ = replies(handle, [{"role": "user", "content": "Hello", "tokens": None}])[-1]
+        hello = [{"role": "user", "content": "Hello", "tokens": None}]
+        chatbot, history, _ = replies(ModelRegistry.serving(engine), hello)[-1]
         # Qwen3's template leaves the choice to the model; this random one never opens <think>.
         assert all("metadata" not in message for message in chatbot)
         assert history[-1]["content"] != "" and history[-1]["reasoning"] == ""
