@@ -4,7 +4,10 @@ is cached (deploy/forwarding.py), and forwards it to a TernReplica through a Dep
 
 Why a hop of its own: Ray's proxy hands a deployment the request's headers but not its body, so a router behind the
 proxy alone could never see the prompt. This is how Ray Serve LLM is built too (an OpenAI ingress in front of the
-engine deployments). /metrics is answered here, for every replica at once (deploy/board.py)."""
+engine deployments). /metrics is answered here, for every replica at once (deploy/board.py).
+
+Several models: one replica deployment each; a request goes to the replicas of the model it names (deploy/models.py),
+and the router picks among those. GET /v1/models asks every model's replicas and lists them all."""
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +22,7 @@ from ray.serve.handle import DeploymentHandle
 from api.errors import RETRY_AFTER_S, OpenAIError, RequestTooLargeError, to_openai_error
 from api.sse import DONE, event
 from deploy.forwarding import REPLICA_COOKIE, REPLICA_HEADER, ForwardedRequest, PrefixKeys
+from deploy.models import MODELS_PATH, ServedModels, UnknownModel, error_json, merge_model_lists
 
 logger = logging.getLogger("tern.ingress")
 
@@ -28,12 +32,19 @@ _SCOPE_KEYS = ("http_version", "method", "scheme", "path", "raw_path", "query_st
 
 @serve.ingress()
 class TernIngress:
-    def __init__(self, replicas: DeploymentHandle, board: DeploymentHandle, server, engine_config) -> None:
+    def __init__(self, replicas: DeploymentHandle, board: DeploymentHandle, server, models,
+                 other_replicas: dict[str, DeploymentHandle] | None = None) -> None:
+        """replicas: the first model's deployment; models: every ModelSpec, the first model first; other_replicas:
+        the other models' deployments by id."""
         from deploy.tokenizer import load_tokenizer
 
-        self.replicas = replicas.options(method_name="forward", stream=True)
+        handles = {models[0].id: replicas, **(other_replicas or {})}
+        self.replicas = {model_id: handle.options(method_name="forward", stream=True)
+                         for model_id, handle in handles.items()}
         self.board = board
-        self.keys = PrefixKeys(load_tokenizer(engine_config), engine_config.block_size)
+        self.models = ServedModels([spec.id for spec in models], server.api_key)
+        # Each model's own tokenizer and template: the prefix keys must be the ones its replicas' caches hold.
+        self.keys = {spec.id: PrefixKeys(load_tokenizer(spec.config), spec.config.block_size) for spec in models}
         self.max_body_size_bytes = server.max_body_size_bytes
 
     def __serve_build_asgi_app__(self):
@@ -56,6 +67,8 @@ class TernIngress:
         elif scope["path"] == "/metrics" and scope["method"] in ("GET", "HEAD"):
             text = await self.board.metrics.remote()
             await _respond(send, 200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+        elif self.models.is_several and scope["path"] == MODELS_PATH and scope["method"] == "GET":
+            await self._list_models(scope, send)
         else:
             await self._forward(scope, receive, send)
 
@@ -64,10 +77,20 @@ class TernIngress:
         if body is None:  # the app's own 413
             await _error(send, to_openai_error(RequestTooLargeError(self.max_body_size_bytes)))
             return
-        pinned = _cookie(scope, REPLICA_COOKIE)
-        prefix_hashes = await asyncio.to_thread(self.keys.of, scope["path"], body) if not pinned else ()
-        request = ForwardedRequest({k: scope[k] for k in _SCOPE_KEYS if k in scope}, body, prefix_hashes, pinned)
-        answer = self.replicas.remote(request)
+        model_id = self.models.default_id
+        if self.models.is_several:
+            try:
+                model_id = await asyncio.to_thread(self.models.model_of, scope, body)
+            except UnknownModel as unknown:
+                await _respond(send, unknown.error.status_code, error_json(scope["path"], unknown.error),
+                               "application/json", unknown.error.headers)
+                return
+        # The UI's cookie names a replica of the first model: only its requests (which name no model) follow it.
+        pinned = _cookie(scope, REPLICA_COOKIE) if model_id == self.models.default_id else None
+        keys = self.keys[model_id]
+        prefix_hashes = await asyncio.to_thread(keys.of, scope["path"], body) if not pinned else ()
+        request = ForwardedRequest(_plain(scope), body, prefix_hashes, pinned)
+        answer = self.replicas[model_id].remote(request)
         started = is_event_stream = False
         try:
             async for message in answer:
@@ -97,6 +120,39 @@ class TernIngress:
                             "more_body": False})
             else:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _list_models(self, scope, send) -> None:
+        """Every model's card, each from one of its replicas (which checks the key); any failure is answered as is."""
+        try:
+            answers = await asyncio.gather(*(_whole(handle.remote(ForwardedRequest(_plain(scope), b"")))
+                                             for handle in self.replicas.values()))
+        except Exception as exc:  # a model's replicas all busy (back pressure) or one died mid-answer: retry
+            logger.warning("listing the models failed: %s: %s", type(exc).__name__, exc)
+            await _error(send, OpenAIError(503, "a model's replicas did not answer; retry shortly", "server_error",
+                                           code="replica_failed", headers={"Retry-After": str(RETRY_AFTER_S)}))
+            return
+        failed = [(status, headers, body) for status, headers, body in answers if status != 200]
+        if failed:
+            status, headers, body = failed[0]
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        await _respond(send, 200, merge_model_lists([body for _, _, body in answers]), "application/json")
+
+
+async def _whole(answer) -> tuple[int, list, bytes]:
+    """A replica's whole answer: (status, headers, body)."""
+    status, headers, chunks = 500, [], []
+    async for message in answer:
+        if message["type"] == "http.response.start":
+            status, headers = message["status"], list(message.get("headers", []))
+        else:
+            chunks.append(message.get("body", b""))
+    return status, headers, b"".join(chunks)
+
+
+def _plain(scope) -> dict:
+    return {k: scope[k] for k in _SCOPE_KEYS if k in scope}
 
 
 class _ASGI:

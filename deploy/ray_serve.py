@@ -2,10 +2,13 @@
 
     python -m deploy.ray_serve --replicas 2 --num-cpus 1            # this machine (starts a local Ray)
     ray start --head; python -m deploy.ray_serve --ray-address auto  # join a running cluster
+    python -m deploy.ray_serve --model A --model B --replicas 2     # several models (or --models models.yaml)
 
-Every flag of `python app.py` works here too (--model, --quantization, --api-key, --max-waiting, ...), each
-replica serving as one `python app.py` would. The app: TernIngress (reads each request, tokenizes its prompt to
-route it) -> TernReplica x N (one engine each) chosen by deploy/router.py, plus TernBoard (metrics and drain).
+Every flag of `python app.py` works here too (--model, --models, --quantization, --api-key, --max-waiting, ...), each
+replica serving as one `python app.py` would. The app: TernIngress (reads each request, picks its model, tokenizes its
+prompt to route it) -> TernReplica x N (one engine each) chosen by deploy/router.py, plus TernBoard (metrics and
+drain). Several models: one replica deployment per model (TernReplica-<id>), N replicas each, each replica serving its
+model alone; the ingress sends a request to the replicas of the model its body names.
 """
 from __future__ import annotations
 
@@ -14,11 +17,12 @@ import logging
 import signal
 import sys
 import threading
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tern.settings import Flag, add_flags
+from tern.settings import Flag, SettingsError, add_flags
 from tern.settings import parse_args as parse_tern_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,30 +82,42 @@ SCALE_FLAGS = (
 
 
 def parse_args(argv: list[str] | None = None):
-    """(ServerSettings, EngineConfig, ScaleSettings): the Ray flags here, the rest as `python app.py` reads them."""
+    """(ServerSettings, the models (ModelSpecs, the default first), ScaleSettings): the Ray flags here, the rest as
+    `python app.py` reads them."""
     parser = argparse.ArgumentParser(
         prog="python -m deploy.ray_serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Every flag of `python app.py --help` is accepted too.",
     )
     add_flags(parser, SCALE_FLAGS, ScaleSettings())
     args, rest = parser.parse_known_args(argv)
-    server, specs, _ = parse_tern_args(rest)
-    if len(specs) > 1:
-        parser.error("each Ray replica serves one model: give --model once")
-    engine_config = specs[0].config
+    try:
+        server, specs, _ = parse_tern_args(rest)
+    except SettingsError as exc:
+        parser.error(str(exc))
     if args.max_replicas is None and args.min_replicas is not None:
         parser.error("--min-replicas needs --max-replicas (autoscaling)")
-    return server, engine_config, ScaleSettings(**{flag.field: getattr(args, flag.field) for flag in SCALE_FLAGS})
+    return server, specs, ScaleSettings(**{flag.field: getattr(args, flag.field) for flag in SCALE_FLAGS})
 
 
-def build_app(server, engine_config, scale: ScaleSettings):
-    """The Serve application: ingress -> replicas (chosen by the router), and the board."""
+def replica_deployment_names(model_ids: list[str]) -> list[str]:
+    """One model: TernReplica, as ever. Several: TernReplica-<id>, each id in the characters Ray allows in a name."""
+    if len(model_ids) == 1:
+        return ["TernReplica"]
+    names: list[str] = []
+    for model_id in model_ids:
+        name = "TernReplica-" + re.sub(r"[^A-Za-z0-9_.-]", "_", model_id)
+        names.append(name if name not in names else f"{name}-{len(names) + 1}")
+    return names
+
+
+def build_app(server, models, scale: ScaleSettings):
+    """The Serve application: ingress -> each model's replicas (chosen among them by the router), and the board.
+    `models`: parse_args' ModelSpecs, the default model first."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
     from deploy.board import TernBoard
     from deploy.ingress import TernIngress
-    from deploy.replica import TernReplica
     from deploy.router import PrefixAwareRouter
 
     if scale.router == "prefix":
@@ -118,7 +134,23 @@ def build_app(server, engine_config, scale: ScaleSettings):
     board = serve.deployment(TernBoard, name="TernBoard", num_replicas=1, max_ongoing_requests=1000,
                              ray_actor_options={"num_cpus": 0},
                              logging_config={"enable_access_log": False}).bind()  # a report a second per replica
-    replicas = serve.deployment(TernReplica, name="TernReplica").options(
+    replicas = [_replicas(name, spec, server, board, router, size, scale)
+                for name, spec in zip(replica_deployment_names([spec.id for spec in models]), models)]
+    return serve.deployment(TernIngress, name="TernIngress").options(
+        num_replicas=scale.ingress_replicas, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=server.drain_timeout_s + 20,
+    ).bind(replicas[0], board, server, models, other_replicas=dict(zip([s.id for s in models[1:]], replicas[1:])))
+
+
+def _replicas(name: str, spec, server, board, router, size: dict, scale: ScaleSettings):
+    """One model's replica deployment; each replica serves that model alone, under its id, loaded for good (the
+    registry's --keep-alive and --max-loaded are for one process holding several models)."""
+    from ray import serve
+
+    from deploy.replica import TernReplica
+
+    engine_config = spec.config
+    return serve.deployment(TernReplica, name=name).options(
         **size,
         ray_actor_options={
             "num_cpus": scale.num_cpus, "num_gpus": scale.num_gpus,
@@ -135,11 +167,7 @@ def build_app(server, engine_config, scale: ScaleSettings):
         health_check_period_s=5.0, health_check_timeout_s=30.0,
         request_router_config=router,
         logging_config={"enable_access_log": False},  # each replica's app logs its requests itself
-    ).bind(server, engine_config, board, scale.threads_per_replica)
-    return serve.deployment(TernIngress, name="TernIngress").options(
-        num_replicas=scale.ingress_replicas, max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0},
-        graceful_shutdown_timeout_s=server.drain_timeout_s + 20,
-    ).bind(replicas, board, server, engine_config)
+    ).bind(replace(server, served_model_name=spec.id), engine_config, board, scale.threads_per_replica)
 
 
 def app_builder(args: dict):
@@ -147,8 +175,8 @@ def app_builder(args: dict):
     with `args: {flags: "--replicas 2 --num-cpus 1 ..."}`, the same flags as this command's."""
     import shlex
 
-    server, engine_config, scale = parse_args(shlex.split(args.get("flags", "")))
-    return build_app(server, engine_config, scale)
+    server, models, scale = parse_args(shlex.split(args.get("flags", "")))
+    return build_app(server, models, scale)
 
 
 def connect(scale: ScaleSettings) -> bool:
@@ -173,7 +201,7 @@ def connect(scale: ScaleSettings) -> bool:
         return True
 
 
-def run(server, engine_config, scale: ScaleSettings) -> None:
+def run(server, models, scale: ScaleSettings) -> None:
     """Deploy and serve until SIGTERM/SIGINT, then drain (as `python app.py` does) and remove the app."""
     import ray
     from ray import serve
@@ -184,10 +212,10 @@ def run(server, engine_config, scale: ScaleSettings) -> None:
     signals = _Signals()
     try:
         serve.start(http_options={"host": server.host, "port": server.port})
-        serve.run(build_app(server, engine_config, scale), name=APP_NAME, route_prefix="/")
-        logger.info("serving on http://%s:%d with %s", server.host, server.port,
-                    f"{scale.min_replicas or 1}-{scale.max_replicas} replicas" if scale.is_autoscaling
-                    else f"{scale.replicas} replicas")
+        serve.run(build_app(server, models, scale), name=APP_NAME, route_prefix="/")
+        logger.info("serving %s on http://%s:%d with %s%s", ", ".join(f"`{spec.id}`" for spec in models), server.host,
+                    server.port, f"{scale.min_replicas or 1}-{scale.max_replicas} replicas" if scale.is_autoscaling
+                    else f"{scale.replicas} replicas", " per model" if len(models) > 1 else "")
         signals.first.wait()
         drain(server.drain_timeout_s, signals.second)
         serve.delete(APP_NAME)
@@ -227,9 +255,9 @@ class _Signals:
 
 
 def main(argv: list[str] | None = None) -> int:
-    server, engine_config, scale = parse_args(argv)
+    server, models, scale = parse_args(argv)
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run(server, engine_config, scale)
+    run(server, models, scale)
     return 0
 
 
