@@ -5,11 +5,10 @@ transformers' eager code (RMSNorm in fp32, RoPE tables cast to the model dtype) 
 """
 from __future__ import annotations
 
-from functools import partial
-
 import torch
-import torch.nn.functional as F
 from torch import nn
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.models.attention import AttentionMetadata, paged_attention
 
@@ -37,47 +36,6 @@ def rope_tables(rotary: nn.Module, max_len: int, device, dtype, **kwargs) -> tup
     positions = torch.arange(max_len, device=device)[None]
     cos, sin = rotary.to(device)(torch.empty(0, device=device, dtype=dtype), positions, **kwargs)
     return cos[0], sin[0]
-
-
-# The activations native families name (hidden_act), as transformers' ACT2FN computes them, without importing
-# transformers.activations or modeling_llama: with what they pull in (most of transformers' modeling code), ~1-2 s of
-# a server's start before its weights could begin to load. Other names still go to ACT2FN.
-_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
-                "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
-# RoPE types whose tables are the default formula over transformers' own inverse frequencies (modeling_rope_utils,
-# light to import); "dynamic" and "longrope" change theirs with the sequence, so their tables come from the module.
-_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-def activation(name: str):
-    if name in _ACTIVATIONS:
-        return _ACTIVATIONS[name]
-    from transformers.activations import ACT2FN
-
-    return ACT2FN[name]
-
-
-def llama_rope_tables(config, max_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """What rope_tables(LlamaRotaryEmbedding(config), ...) gives, the same arithmetic in the same order, computed
-    here for the static RoPE types so a Llama-family start does not import modeling_llama."""
-    parameters = getattr(config, "rope_parameters", None) or {}
-    rope_type = parameters.get("rope_type", "default")
-    if rope_type not in _STATIC_ROPE_TYPES:
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        return rope_tables(LlamaRotaryEmbedding(config), max_len, device, dtype)
-    if rope_type == "default":  # LlamaRotaryEmbedding.compute_default_rope_parameters
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        inv_freq = 1.0 / (parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        scaling = 1.0
-    else:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
-    positions = torch.arange(max_len, device=device)[None]
-    freqs = positions[..., None].float() * inv_freq.to(device=device, dtype=torch.float)  # as its forward
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scaling).to(dtype)[0], (emb.sin() * scaling).to(dtype)[0]
 
 
 def _fused_linear(*parts: nn.Linear) -> nn.Linear:
@@ -160,7 +118,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act = activation(hidden_act or config.hidden_act)
+        self.act = ACT2FN[hidden_act or config.hidden_act]
 
     def fuse(self) -> None:
         self.gate_up_proj = _fused_linear(self.gate_proj, self.up_proj)
@@ -225,8 +183,8 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.fuse()
 
     def build_rope_tables(self, max_len: int, device, dtype) -> None:
-        """Precompute cos/sin for every position once, as transformers' RoPE does (all rope_type variants)."""
-        self.rope_cos, self.rope_sin = llama_rope_tables(self.config, max_len, device, dtype)
+        """Precompute cos/sin for every position once, with transformers' own RoPE (all rope_type variants)."""
+        self.rope_cos, self.rope_sin = rope_tables(LlamaRotaryEmbedding(self.config), max_len, device, dtype)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
