@@ -15,11 +15,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(description="Prompt tokens whose KV the prefix cache held (not computed again).")
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = Field(description="Completion tokens of a thinking model's reasoning, its tags included.")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):

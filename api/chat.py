@@ -47,7 +47,9 @@ def add_routes(router: APIRouter, context: RouteContext) -> None:
             return event_stream(_chunks(generation, head, body, engine, tools, split))
         samples = await until_disconnected(request, generation.collect())
         choices = [_choice(sample, bool(body.logprobs), engine, tools, split) for sample in samples]
-        return ChatCompletion(**head, choices=choices, usage=generation.usage())
+        thinking = sum(reasoning.reasoning_tokens(split, sample.token_ids, choice.message.reasoning_content is not None)
+                       for sample, choice in zip(samples, choices))
+        return ChatCompletion(**head, choices=choices, usage=_usage(generation, thinking))
 
 
 async def start_chat(served: Served, messages: list[dict], params: SamplingParams,
@@ -137,6 +139,10 @@ def _choice(sample: Sample, want_logprobs: bool, engine: Engine, tools: function
     )
 
 
+def _usage(generation: Generation, reasoning_tokens: int) -> dict:
+    return {**generation.usage(), "completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
+
+
 def _tool_call(call: function_tools.CallOut) -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
@@ -178,7 +184,9 @@ async def _chunks(generation: Generation, head: dict, body: ChatCompletionReques
                 has_calls = reply is not None and bool(reply.calls)
                 yield chunk(sample.index, {}, function_tools.finish_reason(out.finish_reason, has_calls))
         if body.include_usage:
-            yield ChatCompletionChunk(**base, choices=[], usage=generation.usage())
+            thinking = sum(reasoning.reasoning_tokens(split, s.token_ids, thoughts[s.index].has_reasoning)
+                           for s in generation.samples) if thoughts else 0
+            yield ChatCompletionChunk(**base, choices=[], usage=_usage(generation, thinking))
     finally:
         generation.abort()  # a client gone before the first output never entered outputs()
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from engine import Engine
 from engine.text.reasoning import (
-    ReasoningParser, ReasoningTags, reply_start_for, split_reasoning, thinking_kwargs,
+    ReasoningParser, ReasoningTags, count_reasoning_tokens, reply_start_for, split_reasoning, thinking_kwargs,
 )
 
 from api import function_tools
@@ -74,3 +74,10 @@ def feed_reply(parser: ReasoningParser | None, text: str, is_last: bool) -> tupl
         more_thought, more_answer = parser.finish()
         thought, answer = thought + more_thought, answer + more_answer
     return thought, answer
+
+
+def reasoning_tokens(split: ReplyReasoning | None, token_ids: list[int], has_reasoning: bool) -> int:
+    """One reply's reasoning tokens for `usage`: 0 where the reply is not split (the model does not think, or a
+    grammar held it)."""
+    return 0 if split is None else count_reasoning_tokens(token_ids, split.tags, has_reasoning)
+

@@ -156,11 +156,12 @@ def response_object(response_id: str, created_at: int, request, status: str, out
     }
 
 
-def usage(num_input_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0) -> dict:
+def usage(num_input_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0,
+          num_reasoning_tokens: int = 0) -> dict:
     return {
         "input_tokens": num_input_tokens,
         "input_tokens_details": {"cached_tokens": num_cached_tokens},
         "output_tokens": num_output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": num_reasoning_tokens},
         "total_tokens": num_input_tokens + num_output_tokens,
     }

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import FINISH_ABORT
+from engine.text.reasoning import count_reasoning_tokens
 
 from api import function_tools
 from api.bodies import ERRORS
@@ -82,8 +83,10 @@ class _Run:
 
     def response(self, status: str, error: dict | None = None) -> dict:
         sample = self.generation.samples[0]
-        counts = (usage(self.generation.num_prompt_tokens, len(sample.token_ids), self.generation.num_cached_tokens)
-                  if status != "in_progress" else None)
+        thinking = count_reasoning_tokens(sample.token_ids, self.thought.tags, self.thought.has_reasoning) \
+            if self.thought is not None else 0
+        counts = (usage(self.generation.num_prompt_tokens, len(sample.token_ids), self.generation.num_cached_tokens,
+                        thinking) if status != "in_progress" else None)
         return response_object(self.response_id, self.created_at, self.body, status, self.output.items, counts,
                                self.model, self.tools, error)
 

@@ -7,7 +7,7 @@ this one parser, which chat, the Responses API and the UI share (and the Anthrop
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 OPEN_TAG = "<think>"
@@ -23,6 +23,7 @@ class ReasoningTags:
     open_tag: str = OPEN_TAG
     close_tag: str = CLOSE_TAG
     has_switch: bool = False
+    close_id: int | None = None  # the closing tag's token id (a token of its own: detect_reasoning asks)
 
     def reply_start(self, prompt_text: str) -> str:
         """Where the reply to this rendered prompt starts: "reasoning" when the prompt leaves a `<think>` open (a
@@ -51,7 +52,7 @@ def detect_reasoning(vocab: Mapping[str, int], chat_template: str | None) -> Rea
         return None
     if OPEN_TAG not in chat_template or CLOSE_TAG not in chat_template:
         return None
-    return ReasoningTags(has_switch=THINKING_SWITCH in chat_template)
+    return ReasoningTags(has_switch=THINKING_SWITCH in chat_template, close_id=vocab[CLOSE_TAG])
 
 
 @dataclass
@@ -114,6 +115,17 @@ class ReasoningParser:
         self.reasoning += reasoning
         self.answer += answer
         return reasoning, answer
+
+
+def count_reasoning_tokens(token_ids: Sequence[int], tags: ReasoningTags, has_reasoning: bool) -> int:
+    """How many of a reply's tokens are its reasoning, its tags included (OpenAI's
+    usage.completion_tokens_details.reasoning_tokens): through the closing tag, or all of them when the reply ended
+    before closing it; 0 for a reply that did not think (has_reasoning: what its parser found)."""
+    if not has_reasoning:
+        return 0
+    if tags.close_id is not None and tags.close_id in token_ids:
+        return list(token_ids).index(tags.close_id) + 1
+    return len(token_ids)
 
 
 def split_reasoning(text: str, tags: ReasoningTags, start: str = "either") -> tuple[str | None, str]:

@@ -63,16 +63,19 @@ def test_a_reply_that_opens_think_lands_in_reasoning_content_and_unclosed_is_all
     assert choice.message.reasoning_content == "<think>" * 3
     assert choice.message.content == ""
     assert choice.finish_reason == "length"
+    # All four tokens were reasoning (the opening tag included), as usage says of a thinking reply.
+    assert completion.usage.completion_tokens_details.reasoning_tokens == completion.usage.completion_tokens == 4
 
 
 def test_streamed_reasoning_arrives_as_reasoning_content_deltas_and_matches_the_whole_answer(qwen3):
     client, think_id = qwen3
-    body = {"messages": HELLO, "stream": True, **forced_think(think_id, 6)}
-    chunks = sse_chunks(client.post("/v1/chat/completions", json=body))
+    body = {"messages": HELLO, "stream": True, "stream_options": {"include_usage": True}, **forced_think(think_id, 6)}
+    *chunks, usage = sse_chunks(client.post("/v1/chat/completions", json=body))
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == "<think>" * 5
     assert "".join(d.get("content") or "" for d in deltas) == ""
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage["usage"]["completion_tokens_details"] == {"reasoning_tokens": 6}
 
 
 def test_enable_thinking_false_leaves_no_reasoning_content(qwen3, sdk):
@@ -83,6 +86,7 @@ def test_enable_thinking_false_leaves_no_reasoning_content(qwen3, sdk):
     # The template closed the block in the prompt, so whatever the model writes is the answer.
     assert message.reasoning_content is None
     assert message.content == "<think>" * 4
+    assert completion.usage.completion_tokens_details.reasoning_tokens == 0
 
 
 def test_a_template_that_opens_think_puts_the_model_s_own_words_in_reasoning(default_tokenizer):
@@ -163,6 +167,7 @@ def test_responses_reasoning_item_whole_and_streamed(default_tokenizer):
             item = response.output[0]
             assert item.type == "reasoning" and item.id.startswith("rs_") and item.summary == []
             assert item.content[0].type == "reasoning_text" and item.content[0].text != ""
+            assert response.usage.output_tokens_details.reasoning_tokens == response.usage.output_tokens == 5
             # The conversation goes on from it: stored, or sent back as input items (reasoning included).
             assert sdk.responses.create(model="", previous_response_id=response.id, input="Bye",
                                         max_output_tokens=1).status == "incomplete"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.text.reasoning import ReasoningTags, detect_reasoning, split_reasoning
+from engine.text.reasoning import ReasoningTags, count_reasoning_tokens, detect_reasoning, split_reasoning
 
 TAGS = ReasoningTags(has_switch=True)
 QWEN3_REPLY = "<think>\nThe user greets me.\n</think>\n\nHello! How can I help?"
@@ -73,8 +73,16 @@ def test_earlier_turns_reasoning_in_the_prompt_does_not_decide_the_new_reply():
 def test_a_model_thinks_when_its_vocabulary_and_its_template_both_have_the_tags():
     vocab = {"<think>": 1, "</think>": 2}
     qwen3_like = "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
-    assert detect_reasoning(vocab, qwen3_like) == ReasoningTags(has_switch=True)
-    assert detect_reasoning(vocab, "{{ '<think>\n' }}{# </think> #}") == ReasoningTags(has_switch=False)
+    assert detect_reasoning(vocab, qwen3_like) == ReasoningTags(has_switch=True, close_id=2)
+    assert detect_reasoning(vocab, "{{ '<think>\n' }}{# </think> #}") == ReasoningTags(has_switch=False, close_id=2)
     assert detect_reasoning(vocab, "{{ messages }}") is None  # reserved tokens, a template that never uses them
     assert detect_reasoning({}, qwen3_like) is None
     assert detect_reasoning(vocab, None) is None
+
+
+def test_reasoning_tokens_count_through_the_closing_tag_or_all_of_an_unclosed_reply():
+    tags = ReasoningTags(close_id=99)
+    assert count_reasoning_tokens([7, 8, 8, 99, 5, 6], tags, has_reasoning=True) == 4  # <think> . . </think>
+    assert count_reasoning_tokens([7, 8, 8, 8], tags, has_reasoning=True) == 4  # cut before it closed
+    assert count_reasoning_tokens([5, 99, 6], tags, has_reasoning=False) == 0  # an answer only: a stray tag is text
+    assert detect_reasoning({"<think>": 3, "</think>": 4}, "{{ '<think>' }}{{ '</think>' }}").close_id == 4
