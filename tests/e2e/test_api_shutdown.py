@@ -159,3 +159,47 @@ def test_a_plain_request_still_running_at_the_drain_timeout_gets_a_503():
         if process.poll() is None:
             process.kill()
             process.wait(timeout=10)
+
+
+def test_sigterm_drains_every_model_each_stream_finishes_and_new_requests_for_any_model_get_503(tiny_checkpoint):
+    """Several models: one drain covers them all. A stream on each model runs to its end, a new request for either
+    model is refused once the drain has begun, and the process exits 0 when both engines are idle."""
+    from engine.weights.checkpoint import default_gguf_path
+
+    process, base_url, log_path = start_server(*SERVER_ARGS, "--model", str(default_gguf_path()), "--model",
+                                               str(tiny_checkpoint), "--drain-timeout", "300",
+                                               log_name="drain-models-server")
+    try:
+        wait_healthy(process, base_url, log_path)
+        ids = [card["id"] for card in httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"]]
+        assert len(ids) == 2
+        # Long enough that neither ends before the signal: the tiny model decodes fast, so it is asked for more.
+        requests = [body("Tell me a long story.", model=ids[0], max_tokens=48),
+                    body("Tell me a long story.", model=ids[1], max_tokens=1500)]
+
+        async def run() -> tuple[list[list[str]], list[httpx.Response]]:
+            started, num_started = asyncio.Event(), [0]
+            async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
+                streams = [asyncio.create_task(read_stream(client, r, started, num_started, len(requests)))
+                           for r in requests]
+                await asyncio.wait_for(started.wait(), timeout=300)
+                process.send_signal(signal.SIGTERM)  # both models are decoding
+                deadline = time.monotonic() + 3  # a bounded poll: the drain begins within a tick
+                while (await client.get("/ready")).status_code == 200:
+                    assert time.monotonic() < deadline, "still ready after the signal"
+                    await asyncio.sleep(0.05)
+                refused = [await client.post(COMPLETIONS, json={"model": i, "prompt": "hi", "max_tokens": 1})
+                           for i in ids]
+                return await asyncio.gather(*streams), refused
+
+        results, refused = asyncio.run(run())
+        for lines, request in zip(results, requests):
+            text, finishes = text_and_finishes(lines)
+            assert finishes == ["length"] and text, request["model"]
+        assert [r.status_code for r in refused] == [503, 503]
+        assert all(r.json()["error"]["code"] == "server_shutting_down" for r in refused)
+        assert wait_exit(process, 120) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
