@@ -2,7 +2,8 @@
 engine, each tree in a child process of its own, alternated rounds (the order reversed every other round), ratios
 taken within a round.
 
-    .venv/bin/python bench/prefill.py --trees /tmp/baseline-checkout . --tokens 200 1500 [--model FILE.gguf]
+    .venv/bin/python bench/prefill.py --trees /tmp/baseline-checkout . --tokens 200 1500 [--model FILE.gguf] \
+        [--quantization none]
 
 Each child loads the model as the server does (EngineConfig.serving(), without the background compile), prefills
 a warm-up prompt, then times --reps prompts of each length (max_tokens 1; different token ids each time, so the
@@ -24,7 +25,8 @@ def child(args) -> None:
     sys.path.insert(0, str(Path.cwd()))
     from engine import Engine, EngineConfig, SamplingParams
 
-    with Engine(EngineConfig.serving(model=args.model, compile=False)) as engine:
+    fields = {"quantization": args.quantization} if args.quantization else {}
+    with Engine(EngineConfig.serving(model=args.model, compile=False, **fields)) as engine:
         vocab = engine.vocab_size
         engine.generate([list(range(100, 164))], SamplingParams(max_tokens=1))
         medians = {}
@@ -43,6 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trees", type=Path, nargs="+", default=[Path(".")], help="source trees; the first is the baseline")
     parser.add_argument("--model", help="checkpoint folder or .gguf (default: the default model)")
+    parser.add_argument("--quantization", help="instead of the server's (auto), e.g. none: bf16 on AVX512-BF16 CPUs")
     parser.add_argument("--tokens", type=int, nargs="+", default=[200, 1500])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
@@ -57,7 +60,8 @@ def main() -> None:
         results = {}
         for tree in order:
             command = [sys.executable, str(Path(__file__).resolve()), "--child", "--reps", str(args.reps),
-                       "--tokens", *map(str, args.tokens)] + (["--model", args.model] if args.model else [])
+                       "--tokens", *map(str, args.tokens)] + (["--model", args.model] if args.model else []) \
+                + (["--quantization", args.quantization] if args.quantization else [])
             output = subprocess.run(command, cwd=tree, capture_output=True, text=True, check=True).stdout
             results[tree] = json.loads(output.split("RESULT ", 1)[1])
         base = results[trees[0]]["medians"]
