@@ -262,23 +262,20 @@ class ModelRegistry:
         """Unload each model idle for its keep-alive. Sleeps until the next one could expire; no polling."""
         with self._lock:
             while not self._is_stopped:
-                now, next_check = time.monotonic(), None
-                for entry in self._entries.values():
+                now, deadlines = time.monotonic(), []
+                for entry in self._entries.values() if not self._is_draining else ():
                     keep_alive = entry.spec.keep_alive_s
-                    if entry.state != LOADED or keep_alive is None or self._is_draining:
-                        continue
-                    if entry.num_leases or entry.num_waiting:
-                        continue  # in use: its release wakes this thread
-                    expires = entry.last_used + keep_alive
-                    if expires > now:
-                        next_check = expires if next_check is None else min(next_check, expires)
+                    if entry.state != LOADED or keep_alive is None or entry.num_leases or entry.num_waiting:
+                        continue  # not loaded, kept for good, or in use (its release wakes this thread)
+                    if entry.last_used + keep_alive > now:
+                        deadlines.append(entry.last_used + keep_alive)
                     elif entry.handle.engine.has_requests:  # running without a lease: look again a keep-alive later
                         entry.last_used = now
-                        next_check = now + keep_alive if next_check is None else min(next_check, now + keep_alive)
+                        deadlines.append(now + keep_alive)
                     else:
                         idle_s = now - entry.last_used
                         self._begin_unload(entry, "idle", f"idle for {idle_s:.0f} s (keep-alive {keep_alive:g} s)")
-                self._lock.wait(None if next_check is None else next_check - now)
+                self._lock.wait(min(deadlines) - now if deadlines else None)
 
     def _notify(self) -> None:
         """Under the lock: wake every waiter, threads and event loops, to look again."""

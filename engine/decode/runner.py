@@ -92,8 +92,8 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> StepLogits:
         """One step, on the paths this function alone picks. A decode step replays a CUDA graph where one covers it
         and no prompt logits nor hidden states are wanted (a graph keeps only the logits). Otherwise every row that
-        computes one token (decoding sequences, and every prompt token where `_prefills_as_decode_rows`) runs on the
-        decode step: the native step, else the compiled step once built, else the eager model; its attention on CPU
+        computes one token (decoding sequences, and every prompt token where the path prefills as decode rows:
+        decode_path.py) runs on the decode step: the native step, else the compiled step once built, else the eager model; its attention on CPU
         is the path's kernel (see _group). Prompt chunks otherwise run the eager model, in a forward of their own.
         Every forward returns the final-normed hidden states, so an embedding's rows are read alike on each."""
         wants_more_than_tokens = any(batch.wants_prompt_logits) or any(batch.wants_hidden_states)
@@ -106,7 +106,7 @@ class ModelRunner:
                 if not all(batch.samples):
                     logits = logits[[i for i, s in enumerate(batch.samples) if s]]
                 return StepLogits(logits, {})
-        as_rows = [n == 1 or self._prefills_as_decode_rows for n in batch.num_new_tokens]
+        as_rows = [n == 1 or self.path.prefills_as_decode_rows for n in batch.num_new_tokens]
         # A rowwise forward counts as a decode step where it decodes a sequence, not where it only prefills.
         decodes = any(n == 1 for n in batch.num_new_tokens)
         hidden_of: list[torch.Tensor | None] = [None] * len(batch)
@@ -123,11 +123,6 @@ class ModelRunner:
             for i, part in zip(members, hidden.split([batch.num_new_tokens[i] for i in members])):
                 hidden_of[i] = part
         return _select_logits(self.model, hidden_of, batch)
-
-    @property
-    def _prefills_as_decode_rows(self) -> bool:
-        """Whether prompts prefill as decode rows: decided once with the decode path (decode_path.py says why)."""
-        return self.path.prefills_as_decode_rows
 
     def _decode_forward(self, input_ids, positions, meta, counts: bool):
         """The forward that serves decode rows now, counted by name in decode_steps if `counts`."""
