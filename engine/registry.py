@@ -191,7 +191,7 @@ class ModelRegistry:
         if entry.state == UNLOADED:
             if has_room(self._entries.values(), self.max_loaded):
                 self._begin_load(entry, on_demand=True)
-            else:
+            elif all(slot.state != UNLOADING for slot in self._entries.values()):  # one under way makes the room
                 victim = least_recently_used_idle(self._entries.values())
                 if victim is not None:
                     why = f"least recently used idle model, room for `{model_id}` (--max-loaded {self.max_loaded})"
