@@ -94,8 +94,9 @@ class ModelRunner:
         and no prompt logits nor hidden states are wanted (a graph keeps only the logits). Otherwise every row that
         computes one token (decoding sequences, and every prompt token where the path prefills as decode rows:
         decode_path.py) runs on the decode step: the native step, else the compiled step once built, else the eager
-        model; its attention on CPU is the path's kernel (see _group). Prompt chunks otherwise run the eager model, in a forward of their own.
-        Every forward returns the final-normed hidden states, so an embedding's rows are read alike on each."""
+        model; its attention on CPU is the path's kernel (see _group). Prompt chunks otherwise run the eager model, in
+        a forward of their own. Every forward returns the final-normed hidden states, so an embedding's rows are read
+        alike on each."""
         wants_more_than_tokens = any(batch.wants_prompt_logits) or any(batch.wants_hidden_states)
         if batch.is_decode and self.graphs is not None and not wants_more_than_tokens:
             positions = [seq.num_computed_tokens for seq in batch.seqs]
