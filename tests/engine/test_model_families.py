@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config, tokenizer_fields
+from conftest import assert_config_reads_back, tiny_config, tokenizer_fields
 
 from engine import Engine, EngineConfig, SamplingParams
 
@@ -224,3 +224,9 @@ def test_a_gguf_of_each_family_answers_as_the_checkpoint_it_was_converted_from(f
         assert_answers_as_transformers(engine, hf_model)
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
+def test_a_ggufs_config_reads_back_with_every_field_of_its_family(family, default_tokenizer, tmp_path):
+    hf_model, _ = make_checkpoint(family, default_tokenizer, tmp_path / "folder", GGUF_FAMILIES)
+    assert_config_reads_back(write_gguf(hf_model, tmp_path / f"{family}.gguf"), tmp_path / "cache")
