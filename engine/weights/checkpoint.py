@@ -122,13 +122,17 @@ def read_config(folder: Path, cache_dir: Path):
     every field of its family's config class, RoPE parameters in their standard form, so it is built as a plain
     PreTrainedConfig: a family's own class (AutoConfig) imports transformers' activation table and, with it, much of
     its modeling stack (torch._dynamo, torch.distributed.tensor): ~1.1 s of a start on 2 cores before the first weight
-    could load. A folder of sub-configs (text_config, ...) and every other folder go through AutoConfig."""
+    could load. One of sub-configs (text_config, ...) or written by another transformers version, and every other
+    folder, go through AutoConfig."""
+    import transformers
     from transformers import AutoConfig, PreTrainedConfig
 
     if folder.parent.resolve() != (cache_dir / GGUF_METADATA_KIND).resolve():
         return AutoConfig.from_pretrained(folder)
     fields = json.loads((folder / "config.json").read_text())
-    if any(isinstance(value, dict) and "model_type" in value for value in fields.values()):
+    has_sub_configs = any(isinstance(value, dict) and "model_type" in value for value in fields.values())
+    # Complete for the transformers that wrote it: another version's classes may have other fields.
+    if has_sub_configs or fields.get("transformers_version") != transformers.__version__:
         return AutoConfig.from_pretrained(folder)
     config = PreTrainedConfig.from_dict(fields)
     config.model_type = fields["model_type"]  # a class attribute of the family's class

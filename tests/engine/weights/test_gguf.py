@@ -243,6 +243,18 @@ def test_a_llama_ggufs_config_reads_back_with_every_field(tiny_gguf, tmp_path):
     assert_config_reads_back(tiny_gguf, tmp_path)
 
 
+def test_a_config_written_by_another_transformers_goes_through_its_familys_class(tiny_gguf, tmp_path):
+    """Its fields were complete for the version that wrote them, not necessarily for this one."""
+    from transformers import LlamaConfig
+
+    from engine.weights.checkpoint import gguf_metadata, read_config
+
+    folder = gguf_metadata(tiny_gguf, tmp_path)
+    fields = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(fields, transformers_version="4.0.0")))
+    assert type(read_config(folder, tmp_path)) is LlamaConfig
+
+
 def test_a_native_gguf_loads_without_transformers_modeling_stack(tmp_path):
     """After its first start (which writes the config and tokenizer from the file once), a native GGUF loads without
     importing transformers' activation table or torch._dynamo, which with what they pull in were ~1.5 s of a 2-core
