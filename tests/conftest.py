@@ -213,6 +213,23 @@ def assert_config_reads_back(gguf_path: Path, cache_dir: Path) -> None:
 CONFIG_FIELDS_NOT_READ = {"use_cache", "model_type"}
 
 
+def heavy_imports_of_a_start(gguf_path: Path, cache_dir: Path) -> list[str]:
+    """What of transformers' activation table, torch._dynamo and torch.distributed.tensor a fresh process imports to
+    start an engine on a GGUF after its first start (which writes the config and tokenizer from the file once). With what they pull
+    in they were ~1.5 s of a 2-core server's start (bench/startup.py)."""
+    from engine.weights.checkpoint import gguf_metadata
+
+    gguf_metadata(gguf_path, cache_dir)  # the first start's conversion
+    heavy = ["transformers.activations", "torch._dynamo", "torch.distributed.tensor"]
+    code = ("import json, sys\n"
+            "from engine import Engine, EngineConfig\n"
+            f"Engine(EngineConfig.serving(model={str(gguf_path)!r}, cache_dir={str(cache_dir)!r})).start().stop()\n"
+            f"print(json.dumps([m for m in {heavy!r} if m in sys.modules]))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from engine.models.attention import AttentionMetadata, paged_attention, sliding_window_metadata
-from engine.models.llama import FUSED_FROM, MLP, Attention, rope_tables, uninitialized_embedding
+from engine.models.llama import FUSED_FROM, MLP, Attention, rope_tables, static_rope_tables, uninitialized_embedding
 
 MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -113,8 +113,14 @@ class GemmaForCausalLM(nn.Module):
 
     def build_rope_tables(self, max_len: int, device, dtype) -> None:
         """Gemma 3 rotates sliding layers with its local base and global layers with its global one (and their
-        own scaling); Gemma 1 and 2 have one table for every layer."""
-        if self.config.model_type == "gemma3_text":
+        own scaling); Gemma 1 and 2 have one table for every layer. Computed here (static_rope_tables) unless a
+        RoPE type changes with the sequence."""
+        per_type = self.config.model_type == "gemma3_text"
+        self.rope = {t: static_rope_tables(self.config, max_len, device, dtype, t if per_type else None)
+                     for t in set(self.layer_types)}
+        if all(table is not None for table in self.rope.values()):
+            return
+        if per_type:
             from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 
             rotary = Gemma3RotaryEmbedding(self.config)

@@ -57,27 +57,39 @@ def activation(name: str):
     return ACT2FN[name]
 
 
-def llama_rope_tables(config, max_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """What rope_tables(LlamaRotaryEmbedding(config), ...) gives, the same arithmetic in the same order, computed
-    here for the static RoPE types so a Llama-family start does not import modeling_llama."""
+def static_rope_tables(config, max_len: int, device, dtype, layer_type: str | None = None):
+    """The cos/sin tables transformers' rotary embedding of the Llama and Gemma families gives (their modules share
+    one formula; Gemma 3 has parameters per layer type), the same arithmetic in the same order, computed here so a
+    start does not import their modeling code. None for the RoPE types whose tables change with the sequence: the
+    family's module computes those."""
     parameters = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        parameters = parameters[layer_type]
     rope_type = parameters.get("rope_type", "default")
     if rope_type not in _STATIC_ROPE_TYPES:
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        return rope_tables(LlamaRotaryEmbedding(config), max_len, device, dtype)
-    if rope_type == "default":  # LlamaRotaryEmbedding.compute_default_rope_parameters
+        return None
+    if rope_type == "default":  # the modules' compute_default_rope_parameters
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         inv_freq = 1.0 / (parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         scaling = 1.0
     else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=layer_type)
     positions = torch.arange(max_len, device=device)[None]
-    freqs = positions[..., None].float() * inv_freq.to(device=device, dtype=torch.float)  # as its forward
+    freqs = positions[..., None].float() * inv_freq.to(device=device, dtype=torch.float)  # as their forward
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scaling).to(dtype)[0], (emb.sin() * scaling).to(dtype)[0]
+
+
+def llama_rope_tables(config, max_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """What rope_tables(LlamaRotaryEmbedding(config), ...) gives."""
+    tables = static_rope_tables(config, max_len, device, dtype)
+    if tables is None:
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        tables = rope_tables(LlamaRotaryEmbedding(config), max_len, device, dtype)
+    return tables
 
 
 def uninitialized_embedding(num_embeddings: int, dim: int) -> nn.Embedding:

@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import assert_config_reads_back, tiny_config, tokenizer_fields
+from conftest import assert_config_reads_back, heavy_imports_of_a_start, tiny_config, tokenizer_fields
 
 from engine import Engine, EngineConfig, SamplingParams
 
@@ -230,3 +230,12 @@ def test_a_gguf_of_each_family_answers_as_the_checkpoint_it_was_converted_from(f
 def test_a_ggufs_config_reads_back_with_every_field_of_its_family(family, default_tokenizer, tmp_path):
     hf_model, _ = make_checkpoint(family, default_tokenizer, tmp_path / "folder", GGUF_FAMILIES)
     assert_config_reads_back(write_gguf(hf_model, tmp_path / f"{family}.gguf"), tmp_path / "cache")
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_starts_without_transformers_modeling_code(family, default_tokenizer, tmp_path):
+    """Its RoPE tables too are computed without transformers' Gemma modules. (torch._dynamo is imported all the same:
+    Gemma's decode step is compiled, not the native one.)"""
+    hf_model, _ = make_checkpoint(family, default_tokenizer, tmp_path / "folder", GGUF_FAMILIES)
+    heavy = heavy_imports_of_a_start(write_gguf(hf_model, tmp_path / f"{family}.gguf"), tmp_path / "cache")
+    assert "transformers.activations" not in heavy

@@ -8,8 +8,6 @@ tokenizer, random weights (K-quant blocks as random bytes with small scales: ggu
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, quants
 
-from conftest import ROOT, assert_config_reads_back, require_op, tokenizer_fields
+from conftest import assert_config_reads_back, heavy_imports_of_a_start, require_op, tokenizer_fields
 
 from engine import Engine, EngineConfig, ModelLoadError, SamplingParams
 from engine.weights import gguf_blocks
@@ -256,23 +254,8 @@ def test_a_config_written_by_another_transformers_goes_through_its_familys_class
 
 
 def test_a_native_gguf_loads_without_transformers_modeling_stack(tmp_path):
-    """After its first start (which writes the config and tokenizer from the file once), a native GGUF loads without
-    importing transformers' activation table or torch._dynamo, which with what they pull in were ~1.5 s of a 2-core
-    server's start (bench/startup.py)."""
-    from engine.weights.checkpoint import gguf_metadata
-
     path = write_tiny_gguf(tmp_path / "tiny.gguf", *FILES["Q4_1+Q8_0 embedding"])
-    gguf_metadata(path, tmp_path / "cache")  # the first start's conversion
-    code = ("import json, sys\n"
-            "from engine import EngineConfig\n"
-            "from engine.weights import loader\n"
-            f"loaded = loader.load(EngineConfig.serving(model={str(path)!r}, cache_dir={str(tmp_path / 'cache')!r}))\n"
-            "print(json.dumps([loaded.hf_config.model_type] + [m for m in HEAVY if m in sys.modules]))\n")
-    heavy = ["transformers.activations", "torch._dynamo", "torch.distributed.tensor"]
-    done = subprocess.run([sys.executable, "-c", f"HEAVY = {heavy!r}\n" + code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["llama"]
+    assert heavy_imports_of_a_start(path, tmp_path / "cache") == []
 
 
 def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path):
