@@ -226,12 +226,14 @@ def test_a_gguf_of_each_family_answers_as_the_checkpoint_it_was_converted_from(f
         engine.stop()
 
 
+@pytest.mark.slow  # neither depends on the kernel path
 @pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
 def test_a_ggufs_config_reads_back_with_every_field_of_its_family(family, default_tokenizer, tmp_path):
     hf_model, _ = make_checkpoint(family, default_tokenizer, tmp_path / "folder", GGUF_FAMILIES)
     assert_config_reads_back(write_gguf(hf_model, tmp_path / f"{family}.gguf"), tmp_path / "cache")
 
 
+@pytest.mark.slow  # neither depends on the kernel path
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 def test_a_gemma_gguf_starts_without_transformers_modeling_code(family, default_tokenizer, tmp_path):
     """Its RoPE tables too are computed without transformers' Gemma modules. (torch._dynamo is imported all the same:

@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, quants
 
-from conftest import assert_config_reads_back, heavy_imports_of_a_start, require_op, tokenizer_fields
+from conftest import assert_config_reads_back, cpu_kernels, heavy_imports_of_a_start, require_op, tokenizer_fields
 
 from engine import Engine, EngineConfig, ModelLoadError, SamplingParams
 from engine.weights import gguf_blocks
@@ -237,25 +237,33 @@ def transformers_model(path: Path):
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
-def test_a_llama_ggufs_config_reads_back_with_every_field(tiny_gguf, tmp_path):
-    assert_config_reads_back(tiny_gguf, tmp_path)
+@pytest.mark.slow  # the config does not depend on the kernel path: not run again with TERN_CPU_KERNELS=off
+def test_a_llama_ggufs_config_reads_back_with_every_field(tmp_path):
+    assert_config_reads_back(write_tiny_gguf(tmp_path / "tiny.gguf", *FILES["Q4_1+Q8_0 embedding"]), tmp_path)
 
 
-def test_a_config_written_by_another_transformers_goes_through_its_familys_class(tiny_gguf, tmp_path):
+@pytest.mark.slow
+def test_a_config_written_by_another_transformers_goes_through_its_familys_class(tmp_path):
     """Its fields were complete for the version that wrote them, not necessarily for this one."""
     from transformers import LlamaConfig
 
     from engine.weights.checkpoint import gguf_metadata, read_config
 
-    folder = gguf_metadata(tiny_gguf, tmp_path)
+    folder = gguf_metadata(write_tiny_gguf(tmp_path / "tiny.gguf", *FILES["Q4_1+Q8_0 embedding"]), tmp_path)
     fields = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(dict(fields, transformers_version="4.0.0")))
     assert type(read_config(folder, tmp_path)) is LlamaConfig
 
 
+@pytest.mark.slow
 def test_a_native_gguf_loads_without_transformers_modeling_stack(tmp_path):
+    """Where the native C++ step serves (a kernel path), torch._dynamo is not imported either; without one the
+    compiled step serves and needs it."""
     path = write_tiny_gguf(tmp_path / "tiny.gguf", *FILES["Q4_1+Q8_0 embedding"])
-    assert heavy_imports_of_a_start(path, tmp_path / "cache") == []
+    heavy = heavy_imports_of_a_start(path, tmp_path / "cache")
+    assert "transformers.activations" not in heavy
+    if cpu_kernels().path != "off":
+        assert heavy == []
 
 
 def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path):
