@@ -193,6 +193,11 @@ def sse_chunks(response) -> list[dict]:
     return [json.loads(d) for d in data[:-1]]
 
 
+# Fields of a family's config class that Tern never reads: use_cache (PreTrainedConfig takes it out of its fields)
+# and model_type (compared in assert_config_reads_back: to_dict writes the class's).
+CONFIG_FIELDS_NOT_READ = {"use_cache", "model_type"}
+
+
 def assert_config_reads_back(gguf_path: Path, cache_dir: Path) -> None:
     """The config Tern writes from a GGUF's metadata, read back without the family's config class (read_config: a
     faster start), holds every field the family's class gives it (AutoConfig on the same folder)."""
@@ -208,15 +213,10 @@ def assert_config_reads_back(gguf_path: Path, cache_dir: Path) -> None:
     assert {k: getattr(fast, k, "<missing>") for k in expected} == expected
 
 
-# Fields of a family's config class that Tern never reads: use_cache (PreTrainedConfig takes it out of its fields)
-# and model_type (compared above: to_dict writes the class's).
-CONFIG_FIELDS_NOT_READ = {"use_cache", "model_type"}
-
-
 def heavy_imports_of_a_start(gguf_path: Path, cache_dir: Path) -> list[str]:
     """What of transformers' activation table, torch._dynamo and torch.distributed.tensor a fresh process imports to
-    start an engine on a GGUF after its first start (which writes the config and tokenizer from the file once). With what they pull
-    in they were ~1.5 s of a 2-core server's start (bench/startup.py)."""
+    start an engine on a GGUF after its first start (which writes the config and tokenizer from the file once). With
+    what they pull in they were ~1.5 s of a 2-core server's start (bench/startup.py)."""
     from engine.weights.checkpoint import gguf_metadata
 
     gguf_metadata(gguf_path, cache_dir)  # the first start's conversion
