@@ -12,6 +12,12 @@ Kernels read weights in the order they use them, so a thread streams one sequent
   the 8 rows' fp16 d, their fp16 dmin, a uint32 per row with the top 2 bits of s_j at bits 2j and of m_j at
   16 + 2j, 64 bytes (s_j & 15) | (m_j & 15) << 4 at byte 8j + row, then the 8 sub-blocks' 128 bytes of nibbles as
   int4 lays them out. Shape uint8 [N, K * 9 / 16]: a Q4_K file's own 144 bytes per 256 values.
+- q6k (GGUF's Q6_K: per super-block of 256 values of a row an fp16 d, per sub-block j of 16 an int8 scale s_j;
+  w = (d * s_j) * (q - 32), q in 0..63): per group of 8 rows and super-block, 1680 bytes: the 8 rows' fp16 d,
+  128 bytes of scales (byte 16 + 8j + row), then per block of 32 columns 192 bytes: q's low 4 bits as int4 lays out
+  its nibbles (128 bytes), then two 32-byte registers of top bits: register a's byte 4r + t holds at bits 2k, 2k + 1
+  the top 2 bits of the value whose low bits are nibble register 2a + k // 2's byte 4r + t (low nibble for even k,
+  high for odd). Shape uint8 [N, K * 105 / 128]: a Q6_K file's own 210 bytes per 256 values.
 - q8 (GGUF's Q8_0: w = d * q, q int8, one fp16 d per 32 values of a row): per group of 8 rows and 32 columns,
   272 bytes: 256 bytes of q + 128 (register j of 32 bytes holds, for each row r at bytes 4r..4r+3, columns
   4j..4j+3), then the 8 rows' fp16 scales d. Shape uint8 [N, K * 17 / 16].
@@ -135,6 +141,57 @@ def q4k_as_int4(packed: torch.Tensor) -> torch.Tensor:
     q, *parts = unpack_q4k(packed)
     d, m = q4k_scales(*parts)
     return pack_int4(q, d.to(torch.float16), m.to(torch.float16))
+
+
+Q6K_SUPER_COLS, Q6K_SUPER_BYTES, Q6K_SUB_COLS = 256, 1680, 16
+
+
+def pack_q6k(q: torch.Tensor, scale: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] in 0..63, scale int8 [N, K/16], d fp16 [N, K/256] (w = (d * scale) * (q - 32)) -> uint8
+    [N, K * 105 / 128]."""
+    rows, cols = q.shape
+    groups, supers, blocks = rows // INT4_GROUP_ROWS, cols // Q6K_SUPER_COLS, cols // INT4_GROUP_COLS
+    q = q.to(torch.uint8)
+    nibbles = _nibble_bytes(q & 0x0F)  # [group, block, 128]
+    # [group, row, block, a, i % 2, low/high, t] -> byte [group, block, a, row, t]: bits 2k with k = 2 (i % 2) + half
+    top = (q >> 4).to(torch.int32).reshape(groups, INT4_GROUP_ROWS, blocks, 2, 4, 4)
+    top = (top << (2 * torch.arange(4, dtype=torch.int32)).reshape(4, 1)).sum(-2, dtype=torch.int32).to(torch.uint8)
+    top = top.permute(0, 2, 3, 1, 4).reshape(groups, blocks, 64)
+    block_bytes = torch.cat([nibbles, top], dim=-1).reshape(groups, supers, 8 * 192)
+    per_row_d = d.to(torch.float16).reshape(groups, INT4_GROUP_ROWS, supers).transpose(1, 2).contiguous().view(torch.uint8)
+    scales = scale.to(torch.int8).reshape(groups, INT4_GROUP_ROWS, supers, 16).permute(0, 2, 3, 1).contiguous()
+    scales = scales.view(torch.uint8).reshape(groups, supers, 128)
+    return torch.cat([per_row_d, scales, block_bytes], dim=-1).reshape(rows, cols * 105 // 128)
+
+
+def unpack_q6k(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `pack_q6k`: (q uint8 [N, K] in 0..63, scale int8 [N, K/16], d fp16 [N, K/256])."""
+    rows, cols = packed.shape[0], packed.shape[1] * 128 // 105
+    groups, supers, blocks = rows // INT4_GROUP_ROWS, cols // Q6K_SUPER_COLS, cols // INT4_GROUP_COLS
+    data = packed.reshape(groups, supers, Q6K_SUPER_BYTES)
+    d = data[..., :16].contiguous().view(torch.float16).transpose(1, 2).reshape(rows, supers)
+    scale = data[..., 16:144].contiguous().view(torch.int8).reshape(groups, supers, 16, INT4_GROUP_ROWS)
+    scale = scale.permute(0, 3, 1, 2).reshape(rows, supers * 16)
+    block_bytes = data[..., 144:].reshape(groups, blocks, 192)
+    low = _nibble_values(block_bytes[..., :128], rows, cols)
+    top = block_bytes[..., 128:].reshape(groups, blocks, 2, INT4_GROUP_ROWS, 4).to(torch.int32)  # [g, block, a, row, t]
+    top = (top.unsqueeze(3) >> (2 * torch.arange(4, dtype=torch.int32)).reshape(4, 1, 1)) & 3  # [g, block, a, k, row, t]
+    top = top.permute(0, 4, 1, 2, 3, 5).reshape(rows, cols).to(torch.uint8)
+    return low | (top << 4), scale, d
+
+
+def dequantize_q6k(packed: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K]: (d * scale) * (q - 32), the weight a q6k matrix stands for (gguf's values, in its order)."""
+    q, scale, d = unpack_q6k(packed)
+    rows, cols = q.shape
+    per_sub = d.float().repeat_interleave(Q6K_SUPER_COLS // Q6K_SUB_COLS, dim=1) * scale.float()  # [N, K/16]
+    values = (q.to(torch.int8) - 32).float().reshape(rows, -1, Q6K_SUB_COLS)
+    return (per_sub.unsqueeze(-1) * values).reshape(rows, cols)
+
+
+def q6k_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a `pack_q6k` matrix de-quantized to float32 [*ids.shape, K] (a Q6_K embedding's lookup)."""
+    return _block_rows(packed, ids, dequantize_q6k)
 
 
 def _nibble_bytes(q: torch.Tensor) -> torch.Tensor:

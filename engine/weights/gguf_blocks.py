@@ -14,12 +14,16 @@ package's reference de-quantizers read them; the tests hold every repacking to t
 - `int4` (Tern's 4-bit layout, layouts.pack_int4: per 32 values of a row, w = d * q + m with fp16 d and m):
   Q4_1 (exact); Q4_K where no q4k kernel serves it, or where a fused projection joins it to Q4_0 or Q4_1 parts:
   per sub-block of 32 as d = super_d * scale and m = -super_dmin * min, both products rounded to fp16.
+- `q6k` (layouts.pack_q6k: per super-block of 256 values of a row an fp16 d, per 16 an int8 scale): Q6_K, exact,
+  in the file's own 210 bytes per 256 values, where the kernel path has a q6k kernel (AVX2 and AVX512); its kernels
+  multiply as llama.cpp's Q6_K x Q8_K. Elsewhere (the `off` path), and where a fused projection joins it to parts
+  of another type, Q6_K is de-quantized and goes into q8 (`dequantize` below).
 - `q8` (Tern's 8-bit layout, layouts.pack_q8: per 32 values of a row, w = d * q with q int8 and fp16 d): Q8_0,
   exact (the same block, its bytes reordered); Q5_0, exact (w = d * (q - 16): q - 16 is an int8 level under the
   file's own d). Q4_0 goes into q8 exactly the same way where a fused projection joins it to q8 parts.
 - `dequantize`: read as float32 one tensor at a time with `gguf`'s own reference, then handled as a checkpoint's
   float weight is (norms, biases; a linear layer gets the mode's quantization: under `auto` and `int8` q8,
-  re-quantized per 32 values, quant.quantize_q8). F32, F16, BF16 are exact this way; Q5_1, Q5_K and Q6_K
+  re-quantized per 32 values, quant.quantize_q8). F32, F16, BF16 are exact this way; Q5_1, Q5_K and Q6_K where no q6k kernel serves it
   (5 or 6 bits with a minimum or nested scales) round to the nearest of q8's 255 levels per 32 values: an error of
   at most half a step of absmax / 127, a fraction of their own step.
 """
@@ -40,7 +44,7 @@ Q8Parts = tuple[torch.Tensor, torch.Tensor]  # q int8 [N, K], d fp16 [N, K/32]
 
 @dataclass(frozen=True)
 class GgufType:
-    layout: str  # "int4", "q4", "q4k", "q8" or "dequantize"
+    layout: str  # "int4", "q4", "q4k", "q6k", "q8" or "dequantize"
     repack: Callable[[torch.Tensor], torch.Tensor] | None = None  # uint8 [rows, bytes per row] -> the layout's bytes
     plain: Callable[[torch.Tensor], tuple] | None = None  # the same as the layout's parts: the twin tests hold it to
     int4: Callable[[torch.Tensor], torch.Tensor] | None = None  # a q4 type's blocks into int4 (a fused layer's parts)
@@ -227,6 +231,26 @@ def q4_k_packed(blocks: torch.Tensor) -> torch.Tensor:
     return _pack_words(words.reshape(rows, supers * 8, 4), scale, minimum)
 
 
+def q6_k_to_q6k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K: 210 bytes per 256 values: 128 bytes of low nibbles, 64 of top 2 bits, 16 int8 scales, fp16 d; per
+    sub-block j of 16, w = (d * scale_j) * (q - 32): Tern's q6k as it is, (q uint8 [N, K] in 0..63, scale int8
+    [N, K/16], d fp16 [N, K/256]). Per half of 128 values, value v's low bits are ql[v % 64]'s nibble v // 64 and
+    its top bits qh[v % 32]'s bits 2 (v // 32)."""
+    b = _split(blocks, 210)
+    rows, supers = b.shape[:2]
+    ql = b[..., :128].reshape(rows, supers, 2, 64)
+    qh = b[..., 128:192].reshape(rows, supers, 2, 1, 32)
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=-1)  # [rows, supers, half, 128]
+    top = ((qh >> (2 * torch.arange(4, dtype=torch.uint8)).reshape(4, 1)) & 3).reshape(rows, supers, 2, 128)
+    q = (low | (top << 4)).reshape(rows, -1)
+    scale = b[..., 192:208].contiguous().view(torch.int8).reshape(rows, -1)
+    return q, scale, _fp16(b[..., 208:210])
+
+
+def q6_k_packed_q6k(blocks: torch.Tensor) -> torch.Tensor:
+    return layouts.pack_q6k(*q6_k_to_q6k(blocks))
+
+
 def q8_0_to_q8(blocks: torch.Tensor) -> Q8Parts:
     """Q8_0: 34 bytes per 32 values, fp16 d then 32 int8 q; w = d * q: Tern's q8 as it is."""
     b = _split(blocks, 34)
@@ -256,7 +280,7 @@ GGUF_TYPES: dict[T, GgufType] = {
     T.Q5_1: GgufType("dequantize"),
     T.Q8_0: GgufType("q8", q8_0_packed, q8_0_to_q8),
     T.Q5_K: GgufType("dequantize"),
-    T.Q6_K: GgufType("dequantize"),
+    T.Q6_K: GgufType("q6k", q6_k_packed_q6k, q6_k_to_q6k),
 }
 
 

@@ -126,6 +126,19 @@ class PackedQ4KLinear(_KernelForward, Q4KLinear):
     super-block's scales and minimums applied in integers)."""
 
 
+class Q6KLinear(_BlockLinear):
+    """6-bit weights in GGUF's Q6_K form, (d * scale) * (q - 32) with an int8 scale per 16 values and an fp16 d per
+    256, held in layouts.pack_q6k's layout: a Q6_K file's own bytes and values."""
+
+    PACKED_BYTES = (105, 128)
+    dequantize = staticmethod(layouts.dequantize_q6k)
+
+
+class PackedQ6KLinear(_KernelForward, Q6KLinear):
+    """Q6KLinear multiplied by Tern's q6k kernel (llama.cpp's Q6_K x Q8_K: activations quantized per 256 values,
+    each super-block's scales applied in integers)."""
+
+
 class Q8Linear(_BlockLinear):
     """int8 weights with one fp16 scale per 32 values of a row, w = d * q (GGUF's Q8_0), held in layouts.pack_q8's
     layout."""
@@ -172,6 +185,11 @@ class Q4Embedding(_BlockEmbedding):
 class Q4KEmbedding(_BlockEmbedding):
     PACKED_BYTES = Q4KLinear.PACKED_BYTES
     rows = staticmethod(layouts.q4k_rows)
+
+
+class Q6KEmbedding(_BlockEmbedding):
+    PACKED_BYTES = Q6KLinear.PACKED_BYTES
+    rows = staticmethod(layouts.q6k_rows)
 
 
 class Q8Embedding(_BlockEmbedding):

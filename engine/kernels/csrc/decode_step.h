@@ -5,7 +5,7 @@
 // the generated wrapper and the dispatcher took ~4-5 ms of a ~10 ms token on 2 cores, while the matmuls took ~4.5.
 // Here a step is one call: per layer RMSNorm, the qkv matmul (+ bias), Qwen3's q/k norms, RoPE, the new keys
 // and values into the paged cache, decode attention, the o matmul and residual, RMSNorm, gate_up, SiLU * up, down
-// and residual; matmuls and attention use the kernels of kernels.h (q8, int4, q4 or q4k weights). Activations are
+// and residual; matmuls and attention use the kernels of kernels.h (q8, int4, q4, q4k or q6k weights). Activations are
 // float32. The math is the eager model's (engine/models/llama.py), step for step and without fused multiply-adds,
 // so the two differ only in summation order; the tests hold it to the eager model's tokens.
 #pragma once
@@ -26,7 +26,7 @@ namespace tern {
 namespace {
 
 // What a linear layer's packed weight holds; the numbers are engine/decode/native_decode.py's WEIGHT_KINDS.
-enum class WeightKind : int64_t { kQ8 = 0, kInt4 = 1, kQ4 = 2, kQ4K = 3 };
+enum class WeightKind : int64_t { kQ8 = 0, kInt4 = 1, kQ4 = 2, kQ4K = 3, kQ6K = 4 };
 
 struct Linear {
   WeightKind kind = WeightKind::kQ8;
@@ -62,6 +62,7 @@ class DecodeStep : public torch::CustomClassHolder {
       int4_groups_ = int4_groups_avx2;
       q4_groups_ = q4_groups_avx2;
       q4k_groups_ = q4k_groups_avx2;
+      q6k_groups_ = q6k_groups_avx2;
       q8_groups_ = q8_groups_avx2;
       attention_ = decode_attention_avx2;
 #ifdef TERN_WITH_AVX512
@@ -69,6 +70,7 @@ class DecodeStep : public torch::CustomClassHolder {
       int4_groups_ = int4_groups_avx512;
       q4_groups_ = q4_groups_avx512;
       q4k_groups_ = q4k_groups_avx512;
+      q6k_groups_ = q6k_groups_avx512;
       q8_groups_ = q8_groups_avx512;
       attention_ = decode_attention_avx512;
 #endif
@@ -86,17 +88,20 @@ class DecodeStep : public torch::CustomClassHolder {
       Linear* linears[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
       for (int j = 0; j < 4; ++j) {
         Linear& linear = *linears[j];
-        TORCH_CHECK(layer_kinds[j] >= 0 && layer_kinds[j] <= 3,
-                    "DecodeStep: weight kinds are 0 (q8), 1 (int4), 2 (q4), 3 (q4k)");
+        TORCH_CHECK(layer_kinds[j] >= 0 && layer_kinds[j] <= 4,
+                    "DecodeStep: weight kinds are 0 (q8), 1 (int4), 2 (q4), 3 (q4k), 4 (q6k)");
         linear.kind = static_cast<WeightKind>(layer_kinds[j]);
         linear.packed = t[4 + 2 * j];
         linear.bias = defined_or_empty(t[5 + 2 * j]);
         linear.N = linear.packed.size(0);
-        const int64_t bytes = linear.packed.size(1);  // per row: K * 5 / 8 int4, K * 9 / 16 q4 and q4k, K * 17 / 16 q8
+        // per row: K * 5 / 8 int4, K * 9 / 16 q4 and q4k, K * 105 / 128 q6k, K * 17 / 16 q8
+        const int64_t bytes = linear.packed.size(1);
         linear.K = linear.kind == WeightKind::kInt4 ? bytes * 8 / 5 :
-                   linear.kind == WeightKind::kQ8 ? bytes * 16 / 17 : bytes * 16 / 9;
-        TORCH_CHECK(linear.kind != WeightKind::kQ4K || linear.K % kQ4KSuperCols == 0,
-                    "DecodeStep: a q4k weight's K must be a multiple of 256");
+                   linear.kind == WeightKind::kQ8 ? bytes * 16 / 17 :
+                   linear.kind == WeightKind::kQ6K ? bytes * 128 / 105 : bytes * 16 / 9;
+        TORCH_CHECK((linear.kind != WeightKind::kQ4K && linear.kind != WeightKind::kQ6K) ||
+                        linear.K % kQ4KSuperCols == 0,
+                    "DecodeStep: a q4k or q6k weight's K must be a multiple of 256");
         TORCH_CHECK(linear.packed.scalar_type() == at::kByte && linear.packed.is_contiguous(),
                     "DecodeStep: packed weights must be contiguous uint8");
         TORCH_CHECK(!linear.bias.defined() || linear.bias.scalar_type() == at::kFloat, "DecodeStep: float32 biases");
@@ -205,6 +210,8 @@ class DecodeStep : public torch::CustomClassHolder {
     if (l.kind != WeightKind::kQ8) {
       if (l.kind == WeightKind::kQ4K) {
         q4k_matmul(q4k_groups_, scratch_, x, false, M, l.K, l.packed.data_ptr<uint8_t>(), l.N, out);
+      } else if (l.kind == WeightKind::kQ6K) {
+        q6k_matmul(q6k_groups_, scratch_, x, false, M, l.K, l.packed.data_ptr<uint8_t>(), l.N, out);
       } else {
         int4_matmul(l.kind == WeightKind::kQ4 ? q4_groups_ : int4_groups_, scratch_, x, false, M, l.K,
                     l.packed.data_ptr<uint8_t>(), l.N, out);
@@ -221,7 +228,7 @@ class DecodeStep : public torch::CustomClassHolder {
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   float eps_;
-  Int4Groups int4_groups_ = nullptr, q4_groups_ = nullptr, q4k_groups_ = nullptr;
+  Int4Groups int4_groups_ = nullptr, q4_groups_ = nullptr, q4k_groups_ = nullptr, q6k_groups_ = nullptr;
   Q8Groups q8_groups_ = nullptr;
   AttentionTasks attention_ = nullptr;
   std::vector<Layer> layers_;

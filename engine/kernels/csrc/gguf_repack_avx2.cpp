@@ -1,6 +1,6 @@
 // GGUF blocks into Tern's layouts at load time (kernels.h: gguf_int4_groups, gguf_q4_groups, gguf_q4k_groups,
-// gguf_q8_groups): the C++ twins of engine/weights/gguf_blocks.py's torch repacking (int4: Q4_0, Q4_1, Q4_K; q4: Q4_0; q4k:
-// Q4_K) and of gguf's numpy de-quantizer followed by
+// gguf_q6k_groups, gguf_q8_groups): the C++ twins of engine/weights/gguf_blocks.py's torch repacking (int4: Q4_0, Q4_1,
+// Q4_K; q4: Q4_0; q4k: Q4_K; q6k: Q6_K) and of gguf's numpy de-quantizer followed by
 // quant.quantize_q8 (q8: Q8_0 as it is, Q4_0 and Q5_0 levels as they are; Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, F16, BF16,
 // F32 re-quantized per 32 values).
 // Bit for bit the same bytes: the float steps are numpy's and torch's, in their order, with no fused multiply-add
@@ -250,6 +250,8 @@ bool gguf_has_q4(int type) { return type == kQ4_0; }
 
 bool gguf_has_q4k(int type) { return type == kQ4_K; }
 
+bool gguf_has_q6k(int type) { return type == kQ6_K; }
+
 namespace {
 
 // Row r's 4 words of a block into registers j = 0..3 of its group (layouts.pack_int4; kQ4: layouts.pack_q4, the
@@ -296,6 +298,53 @@ void q4k_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
           for (int w = 0; w < 4; ++w) std::memcpy(out + 128 + 128 * j + 32 * w + 4 * r, &words[w], 4);
         }
         std::memcpy(out + 32 + 4 * r, &top, 4);
+      }
+    }
+  }
+}
+
+// The 32 six-bit values (0..63, q before its - 32) of block b (32 values) of a Q6_K super-block: the indexes of
+// float_block's Q6_K case.
+inline void q6_k_values(const uint8_t* super, int b, uint8_t* values) {
+  const int first = b * 32, half = first / 128, within = first % 128;
+  const uint8_t* ql = super + 64 * half + within % 64;
+  const uint8_t* qh = super + 128 + 32 * half;
+  const int low_shift = 4 * (within / 64), high_shift = 2 * (within / 32);
+  const __m256i nibbles = _mm256_and_si256(
+      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql)), _mm_cvtsi32_si128(low_shift)),
+      _mm256_set1_epi8(0x0F));
+  const __m256i twos = _mm256_and_si256(
+      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)), _mm_cvtsi32_si128(high_shift)),
+      _mm256_set1_epi8(0x03));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(values), _mm256_or_si256(nibbles, _mm256_slli_epi16(twos, 4)));
+}
+
+// Q6_K super-blocks as they are (layouts.pack_q6k): per group of 8 rows and super-block, the rows' d, their 16 int8
+// scales (byte 8j + row), then per block of 32 columns the low nibbles in int4's order and the top 2 bits of each
+// nibble register's bytes, 4 to a byte.
+void q6k_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
+  const int64_t stride = row_bytes(kQ6_K, p.cols), supers = p.cols / kQ6KSuperCols;
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t s = 0; s < supers; ++s) {
+      uint8_t* out = p.out + (g * supers + s) * kQ6KSuperBytes;
+      for (int r = 0; r < kInt4GroupRows; ++r) {
+        const uint8_t* super = p.raw + (g * kInt4GroupRows + r) * stride + s * 210;
+        std::memcpy(out + 2 * r, super + 208, 2);
+        for (int j = 0; j < 16; ++j) out[16 + 8 * j + r] = super[192 + j];
+        for (int b = 0; b < 8; ++b) {
+          alignas(32) uint8_t v[32];
+          q6_k_values(super, b, v);
+          uint8_t* block = out + kQ6KHeaderBytes + b * kQ6KBlockBytes;
+          for (int i = 0; i < 4; ++i)  // nibble register i: columns 8i + t (low) and 8i + 4 + t (high)
+            for (int t = 0; t < 4; ++t) {
+              const uint8_t low = v[8 * i + t], high = v[8 * i + 4 + t];
+              block[32 * i + 4 * r + t] = static_cast<uint8_t>((low & 0x0F) | ((high & 0x0F) << 4));
+              uint8_t& top = block[128 + 32 * (i / 2) + 4 * r + t];
+              const int shift = 4 * (i % 2);
+              if (shift == 0) top = 0;
+              top = static_cast<uint8_t>(top | ((low >> 4) << shift) | ((high >> 4) << (shift + 2)));
+            }
+        }
       }
     }
   }
@@ -350,6 +399,10 @@ void gguf_q4_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
 
 void gguf_q4k_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
   if (p.type == kQ4_K) q4k_groups(p, g0, g1);
+}
+
+void gguf_q6k_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
+  if (p.type == kQ6_K) q6k_groups(p, g0, g1);
 }
 
 void gguf_q8_groups(const GgufRepack& p, int64_t g0, int64_t g1) {

@@ -19,6 +19,7 @@ struct QuantizedRows {
   int32_t* sums;
   float* sum_scales;  // scales[i] * sums[i] (the int4 minimum's factor): computed once, not once per weight group
   int16_t* sums32 = nullptr;  // where given (q4k's blocks of 256): the sum of each 32 values' int8s, per (row, 32)
+  int16_t* sums16 = nullptr;  // where given (q6k's blocks of 256): the sum of each 16 values' int8s, per (row, 16)
 };
 
 // Rows [m0, m1) of x [M, K] (float32, or bfloat16 bits when bf16) into q: q = round_half_even(x * 127 / absmax).
@@ -66,6 +67,22 @@ constexpr int64_t kQ4KSuperCols = 256, kQ4KSuperBytes = 1152;
 void q4k_groups_avx2(const Q4KProblem& p, int64_t g0, int64_t g1);
 void q4k_groups_avx512(const Q4KProblem& p, int64_t g0, int64_t g1);
 
+// 6-bit weights in GGUF's Q6_K form: per super-block of 256 values of a row an fp16 d, and per sub-block j of 16 an
+// int8 scale s_j (w = d * s_j * (q - 32), q in 0..63), held in the file's own 210 bytes per 256 values. Per group
+// of 8 rows and super-block, 1680 bytes: the 8 rows' fp16 d, then 128 bytes of scales (byte 8j + row: sub-block j's
+// s_j of that row), then per block of 32 columns 192 bytes: the low 4 bits of q as int4 lays out its nibbles
+// (128 bytes), then the top 2 bits in two 32-byte registers: register a's byte 4r + t holds, at bits 2k and
+// 2k + 1, the top bits of the value whose low bits are nibble register 2a + k / 2's byte 4r + t, low nibble for
+// even k, high for odd (engine/kernels/layouts.py: pack_q6k). The arithmetic is llama.cpp's Q6_K x Q8_K:
+// activations come in blocks of 256 (one scale x_scale) with the sum of each 16 of their int8s (sums16); per
+// super-block each row sums in integers isum = sum_j s_j * (dot_j - 32 * sums16_j) (exact: at most 134M), then
+// acc += isum * (d * x_scale): one float step per 256 values.
+using Q6KProblem = Int4Problem;
+constexpr int64_t kQ6KSuperCols = 256, kQ6KSuperBytes = 1680, kQ6KHeaderBytes = 144, kQ6KBlockBytes = 192;
+constexpr int64_t kQ6KGroupBytes = 210;  // per 8 rows and 32 columns on average: a row of K values is K * 105 / 128 bytes
+void q6k_groups_avx2(const Q6KProblem& p, int64_t g0, int64_t g1);
+void q6k_groups_avx512(const Q6KProblem& p, int64_t g0, int64_t g1);
+
 // int8 weights with one fp16 scale d per 32 values of a row (w = d * q: GGUF's Q8_0), packed per group of 8 rows
 // and 32 columns as 256 bytes of q + 128, then 8 fp16 d (engine/kernels/layouts.py). Activations come in blocks
 // of 32 with their sums: per group dot = sum((q + 128) * xq) - 128 * sum(xq), an exact integer, then
@@ -102,7 +119,7 @@ struct AttentionProblem {
 void decode_attention_avx2(const AttentionProblem& p, int64_t task0, int64_t task1);
 
 // A GGUF matrix's raw blocks ([rows, gguf_row_bytes(type, cols)], ggml type ids) into Tern's int4 layout (Q4_0,
-// Q4_1, Q4_K: gguf_has_int4), q4 layout (Q4_0 as it is), q4k layout (Q4_K as it is) or q8 layout (Q8_0 as it is; Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
+// Q4_1, Q4_K: gguf_has_int4), q4 layout (Q4_0 as it is), q4k layout (Q4_K as it is), q6k layout (Q6_K as it is) or q8 layout (Q8_0 as it is; Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
 // Q5_K, Q6_K, F16, BF16, F32 re-quantized per 32 values as quant.quantize_q8 does), groups of 8 rows [g0, g1)
 // (gguf_repack_avx2.cpp).
 struct GgufRepack {
@@ -111,14 +128,16 @@ struct GgufRepack {
   int64_t cols;
   uint8_t* out;
 };
-enum class GgufLayout : int64_t { kQ8 = 0, kInt4 = 1, kQ4 = 2, kQ4K = 3 };  // the `layout` argument of torch.ops.tern.gguf_repack
+enum class GgufLayout : int64_t { kQ8 = 0, kInt4 = 1, kQ4 = 2, kQ4K = 3, kQ6K = 4 };  // the `layout` argument of torch.ops.tern.gguf_repack
 int64_t gguf_row_bytes(int type, int64_t cols);  // -1: a type this file does not read
 bool gguf_has_int4(int type);
 bool gguf_has_q4(int type);  // Q4_0
 bool gguf_has_q4k(int type);  // Q4_K
+bool gguf_has_q6k(int type);  // Q6_K
 void gguf_int4_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void gguf_q4_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void gguf_q4k_groups(const GgufRepack& p, int64_t g0, int64_t g1);
+void gguf_q6k_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void gguf_q8_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void decode_attention_avx512(const AttentionProblem& p, int64_t task0, int64_t task1);
 

@@ -24,16 +24,19 @@ struct QuantizedScratch {
   std::vector<int32_t> sums;
   std::vector<float> sum_scales;
   std::vector<int16_t> sums32;  // at most 32 * 127 in magnitude
+  std::vector<int16_t> sums16;
 
-  // with_sums32: also the sum of every 32 values' int8s (q4k's activations, in blocks of 256).
-  QuantizedRows quantize(const void* x, bool bf16, int64_t M, int64_t K, int64_t block, bool with_sums32 = false) {
+  // with_sums32 / with_sums16: also the sum of every 32 (q4k) or 16 (q6k) values' int8s (activations in blocks of 256).
+  QuantizedRows quantize(const void* x, bool bf16, int64_t M, int64_t K, int64_t block, bool with_sums32 = false,
+                         bool with_sums16 = false) {
     values.resize(M * K);
     scales.resize(M * K / block);
     sums.resize(M * K / block);
     sum_scales.resize(M * K / block);
     if (with_sums32) sums32.resize(M * K / 32);
+    if (with_sums16) sums16.resize(M * K / 16);
     QuantizedRows rows{K, block, K / block, values.data(), scales.data(), sums.data(), sum_scales.data(),
-                       with_sums32 ? sums32.data() : nullptr};
+                       with_sums32 ? sums32.data() : nullptr, with_sums16 ? sums16.data() : nullptr};
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { quantize_rows_avx2(x, bf16, m0, m1, rows); });
     return rows;
   }
@@ -54,6 +57,15 @@ inline void q4k_matmul(Int4Groups groups, QuantizedScratch& scratch, const void*
                        int64_t K, const uint8_t* w, int64_t N, void* out) {
   if (M == 0) return;
   const QuantizedRows q = scratch.quantize(x, x_bf16, M, K, kQ4KSuperCols, true);
+  const Int4Problem p{&q, M, N, w, out, x_bf16};
+  at::parallel_for(0, N / kInt4GroupRows, 8, [&](int64_t g0, int64_t g1) { groups(p, g0, g1); });
+}
+
+// out [M, N] = x [M, K] @ w.T for a q6k weight (GGUF's Q6_K, kernels.h): activations in blocks of 256 with sums per 16.
+inline void q6k_matmul(Int4Groups groups, QuantizedScratch& scratch, const void* x, bool x_bf16, int64_t M,
+                       int64_t K, const uint8_t* w, int64_t N, void* out) {
+  if (M == 0) return;
+  const QuantizedRows q = scratch.quantize(x, x_bf16, M, K, kQ6KSuperCols, false, true);
   const Int4Problem p{&q, M, N, w, out, x_bf16};
   at::parallel_for(0, N / kInt4GroupRows, 8, [&](int64_t g0, int64_t g1) { groups(p, g0, g1); });
 }

@@ -40,6 +40,10 @@ void quantize_rows_avx2(const void* x, bool bf16, int64_t m0, int64_t m1, const 
         }
         sum = _mm256_add_epi32(sum, sum32);
         if (q.sums32) q.sums32[(base + i) / 32] = static_cast<int16_t>(reduce_add(sum32));
+        if (q.sums16) {
+          q.sums16[(base + i) / 16] = static_cast<int16_t>(reduce_add(_mm256_add_epi32(v[0], v[1])));
+          q.sums16[(base + i) / 16 + 1] = static_cast<int16_t>(reduce_add(_mm256_add_epi32(v[2], v[3])));
+        }
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.values + base + i), narrow(v[0], v[1], v[2], v[3]));
       }
       q.sums[m * q.blocks + b] = reduce_add(sum);

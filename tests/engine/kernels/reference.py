@@ -74,3 +74,20 @@ def q4k_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: t
         acc = acc + isum.float() * (d[:, s].float()[None] * x_scale)
         acc = acc + msum.float() * ((-dmin[:, s].float())[None] * x_scale)
     return acc.to(x.dtype)
+
+
+def q6k_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times GGUF's Q6_K weight (d * scale) * (q - 32) (q [N, K] in 0..63, scale int8 [N, K/16], d fp16
+    [N, K/256]), as llama.cpp's Q6_K x Q8_K: activations quantized per 256, per super-block the exact integer
+    sum(scale * dot(q - 32, xq)) over its 16 sub-blocks, then one float step."""
+    quantized, x_scales = quantize_activations(x, 256)  # [M, K/256, 256], [M, K/256]
+    rows, supers, _ = quantized.shape
+    xq = quantized.reshape(rows, supers * 16, 16).long()
+    levels, scale = q.long() - 32, scale.long()
+    acc = torch.zeros(rows, q.shape[0])
+    for s in range(supers):
+        isum = torch.zeros(rows, q.shape[0], dtype=torch.long)
+        for j in range(16 * s, 16 * s + 16):
+            isum += (xq[:, j] @ levels[:, j * 16:(j + 1) * 16].t()) * scale[:, j][None]
+        acc = acc + isum.float() * (d[:, s].float()[None] * x_scales[:, s:s + 1])
+    return acc.to(x.dtype)

@@ -70,6 +70,22 @@ def test_q4k_layout_round_trips_is_four_and_a_half_bits_a_weight_and_holds_q4_k_
     assert (as_int4 - expected).abs().max() <= 2.0**-9 * expected.abs().max()
 
 
+def test_q6k_layout_round_trips_is_six_and_a_half_bits_a_weight_and_holds_q6_k_values():
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 64, (24, 512), dtype=torch.uint8, generator=generator)
+    scale = torch.randint(-128, 128, (24, 32), generator=generator).to(torch.int8)  # -128 too: files may hold it
+    d = torch.rand(24, 2, generator=generator).half()
+    packed = layouts.pack_q6k(q, scale, d)
+    assert packed.dtype == torch.uint8 and packed.shape == (24, 512 * 105 // 128)  # Q6_K's 210 bytes per 256 values
+    for got, want in zip(layouts.unpack_q6k(packed), (q, scale, d)):
+        assert torch.equal(got, want)
+    per_sub = d.float().repeat_interleave(16, dim=1) * scale.float()  # gguf's order: (d * scale) * (q - 32)
+    expected = (per_sub[..., None] * (q.float() - 32).reshape(24, 32, 16)).reshape(24, 512)
+    assert torch.equal(layouts.dequantize_q6k(packed), expected)
+    ids = torch.tensor([[0, 5, 23], [17, 17, 7]])
+    assert torch.equal(layouts.q6k_rows(packed, ids), expected[ids])
+
+
 def test_bf16_layout_round_trips_and_rows_read_from_it():
     weight = torch.randn(12, 96).to(torch.bfloat16)
     packed = layouts.pack_bf16(weight)

@@ -23,8 +23,8 @@ from engine import Engine, EngineConfig, ModelLoadError, SamplingParams
 from engine.weights import gguf_blocks
 from engine.weights.gguf_blocks import GGUF_TYPES
 from engine.kernels import GGUF_REPACK_LAYOUTS, layouts
-from engine.weights.layers import (Int4Embedding, Int4Linear, Q4Embedding, Q4KEmbedding, Q4KLinear, Q4Linear, Q8Embedding,
-                           Q8Linear)
+from engine.weights.layers import (Int4Embedding, Int4Linear, Q4Embedding, Q4KEmbedding, Q4KLinear, Q4Linear,
+                                   Q6KEmbedding, Q6KLinear, Q8Embedding, Q8Linear)
 from engine.weights.checkpoint import default_gguf_path
 
 BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q4_K: (256, 144), T.Q5_0: (32, 22), T.Q6_K: (256, 210),
@@ -82,6 +82,16 @@ def test_q4_k_is_served_in_q4k_its_own_bytes_bit_for_bit():
     packed = GGUF_TYPES[T.Q4_K].repack(raw)
     assert packed.numel() == raw.numel()
     assert torch.equal(layouts.dequantize_q4k(packed), torch.from_numpy(quants.dequantize(raw.numpy(), T.Q4_K)))
+
+
+def test_q6_k_is_served_in_q6k_its_own_bytes_bit_for_bit():
+    """Q6_K's values are (d * scale) * (q - 32) with an int8 scale per 16 values: q6k keeps q, the scales and d as
+    the file has them, in its 210 bytes per 256 values, and gives gguf's values bit for bit."""
+    raw = torch.from_numpy(random_blocks(T.Q6_K, 24, 512))
+    assert GGUF_TYPES[T.Q6_K].layout == "q6k"
+    packed = GGUF_TYPES[T.Q6_K].repack(raw)
+    assert packed.numel() == raw.numel()
+    assert torch.equal(layouts.dequantize_q6k(packed), torch.from_numpy(quants.dequantize(raw.numpy(), T.Q6_K)))
 
 
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1, T.Q4_K])
@@ -195,7 +205,7 @@ def test_the_kernel_librarys_repacking_gives_its_plain_twins_bytes(ggml_type, pa
     rows, cols = 40, 1024
     raw = torch.from_numpy(blocks_of(ggml_type, rows, cols, seed=5).copy())
     kind = GGUF_TYPES[ggml_type]
-    if kind.layout in ("int4", "q4", "q4k"):
+    if kind.layout in ("int4", "q4", "q4k", "q6k"):
         assert torch.equal(repack(raw, int(ggml_type), cols, GGUF_REPACK_LAYOUTS[kind.layout]), kind.repack(raw))
     if kind.layout in ("q4", "q4k"):  # Q4_0 and Q4_K also into int4, beside int4 parts of a fused layer
         assert torch.equal(repack(raw, int(ggml_type), cols, GGUF_REPACK_LAYOUTS["int4"]), kind.repack_into("int4")(raw))
@@ -217,6 +227,7 @@ FILES = {
     "Q4_0": (every(T.Q4_0), True),
     "Q4_0 with Q4_1 v and up": (every(T.Q4_0, v=T.Q4_1, up=T.Q4_1), False),
     "Q8_0": (every(T.Q8_0), True),
+    "Q6_K": (every(T.Q6_K), True),
     "Q5_0 with Q4_0 q and gate": (every(T.Q5_0, q=T.Q4_0, gate=T.Q4_0), True),
     "Q4_1+Q8_0 embedding": (every(T.Q4_1, embd=T.Q8_0), True),
     "Q4_K_M-like, untied": (Q4_K_M, False),
@@ -269,7 +280,8 @@ def test_a_native_gguf_loads_without_transformers_modeling_stack(tmp_path):
 def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path):
     """4-bit tensors are built 4-bit and Q8_0 and Q5_0 ones q8, with the values transformers de-quantizes from the
     file (exact for Q4_0/Q4_1/Q4_K/Q5_0/Q8_0, and for Q4_0 parts joined to q8 ones; within fp16 rounding of the
-    scales for Q4_K parts joined to other 4-bit types in int4); the rest (Q6_K, F32) q8 within half a step of its scales; q and k rows in transformers' order. (The layers as built, before packing for a kernel
+    scales for Q4_K parts joined to other 4-bit types in int4); Q6_K in q6k, exact; the rest (Q6_K beside other
+    types, F32) q8 within half a step of its scales; q and k rows in transformers' order. (The layers as built, before packing for a kernel
     path: without kernels aten's int4pack re-packs them in its own way.)"""
     from transformers import AutoConfig
 
@@ -278,7 +290,8 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
     from engine.weights.streamed_load import build_model
 
     hf_config = AutoConfig.from_pretrained(gguf_metadata(tiny_gguf, tmp_path))
-    model = build_model(GgufFile.open(tiny_gguf), hf_config, "auto", torch.float32, torch.device("cpu"), q4k=True)
+    model = build_model(GgufFile.open(tiny_gguf), hf_config, "auto", torch.float32, torch.device("cpu"), q4k=True,
+                        q6k=True)
     reference = transformers_model(tiny_gguf).state_dict()
     reader = GGUFReader(tiny_gguf)
     types = {t.name: t.tensor_type for t in reader.tensors}
@@ -292,11 +305,13 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
             is_4bit = kinds <= {T.Q4_0, T.Q4_1, T.Q4_K}
             # Q4_0 alone in its own q4 layout, Q4_K in q4k; beside other 4-bit parts, int4; else q8.
             expected_type = (Q4Linear if kinds == {T.Q4_0} else Q4KLinear if kinds == {T.Q4_K} else
-                             Int4Linear if is_4bit else Q8Linear)
+                             Q6KLinear if kinds == {T.Q6_K} else Int4Linear if is_4bit else Q8Linear)
             assert type(fused) is expected_type, (kinds, type(fused))
             section = "self_attn." if "q_proj" in parts else "mlp."
             expected = torch.cat([reference[prefix + section + p + ".weight"] for p in parts])
-            if not is_4bit:
+            if expected_type is Q6KLinear:
+                assert torch.equal(layouts.dequantize_q6k(fused.weight_packed), expected)
+            elif not is_4bit:
                 ours = layouts.dequantize_q8(fused.weight_packed)
                 if all(GGUF_TYPES[kind].holds("q8") for kind in kinds):  # Q8_0, Q5_0, and Q4_0 beside them
                     assert torch.equal(ours, expected)
@@ -317,11 +332,11 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
                     assert torch.equal(ours, expected)
     embd_type = types["token_embd.weight"]
     is_4bit = embd_type in (T.Q4_0, T.Q4_1, T.Q4_K)
-    assert type(model.model.embed_tokens) is {T.Q4_0: Q4Embedding, T.Q4_K: Q4KEmbedding}.get(
+    assert type(model.model.embed_tokens) is {T.Q4_0: Q4Embedding, T.Q4_K: Q4KEmbedding, T.Q6_K: Q6KEmbedding}.get(
         embd_type, Int4Embedding if is_4bit else Q8Embedding)
     ids = torch.tensor([0, 7, 1234, 49151])
     rows = model.model.embed_tokens(ids).float()
-    if embd_type in (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q8_0):  # the rest is re-quantized to q8 under auto
+    if embd_type in (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q6_K, T.Q8_0):  # the rest is re-quantized to q8 under auto
         assert torch.equal(rows, reference["model.embed_tokens.weight"][ids])
 
 
@@ -341,18 +356,19 @@ def test_a_gguf_answers_as_transformers_does_on_the_same_file(tiny_gguf, tmp_pat
         engine.stop()
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K], ids=lambda t: t.name)
-def test_a_4bit_gguf_takes_the_files_size_in_memory(tmp_path, ggml_type):
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_a_quantized_gguf_takes_the_files_size_in_memory(tmp_path, ggml_type):
     path = write_tiny_gguf(tmp_path / "model.gguf", every(ggml_type))
     engine = Engine(EngineConfig(model=str(path), quantization="auto", cache_dir=str(tmp_path / "cache"))).start()
     try:
-        assert engine.loaded.quantization == "int4"
-        # Q4_0 is served in its own 18 bytes per 32 values (q4), Q4_K in its 144 per 256 (q4k), and the norms as
-        # the file's float32. Without
-        # Tern's kernels (TERN_CPU_KERNELS=off) aten's int4pack holds its own copies of the 4-bit layers.
+        assert engine.loaded.quantization == ("int8" if ggml_type == T.Q6_K else "int4")
+        # Q4_0 is served in its own 18 bytes per 32 values (q4), Q4_K in its 144 per 256 (q4k), Q6_K in its 210 per
+        # 256 (q6k), and the norms as the file's float32. Without Tern's kernels (TERN_CPU_KERNELS=off) aten's
+        # int4pack holds its own copies of the 4-bit layers, and Q6_K goes into q8.
         tensor_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
         kernels = engine.loaded.kernels
-        if kernels.path != "off" and (ggml_type != T.Q4_K or kernels.q4k_mm is not None):  # else Q4_K is int4
+        kernel = {T.Q4_0: kernels.q4_mm, T.Q4_K: kernels.q4k_mm, T.Q6_K: kernels.q6k_mm}[ggml_type]
+        if kernels.path != "off" and kernel is not None:  # else Q4_K is int4
             assert engine.loaded.weight_bytes == tensor_bytes
         [completion] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         assert len(completion.choices[0].token_ids) == 4
