@@ -13,7 +13,8 @@ import torch
 
 from engine.kernels import CpuKernels
 from engine.kv_cache import KVCache
-from engine.weights.layers import PackedInt4Linear, PackedQ4KLinear, PackedQ4Linear, PackedQ6KLinear, PackedQ8Linear
+from engine.weights.layers import (PackedInt4Linear, PackedQ4KLinear, PackedQ4Linear, PackedQ6KLinear, PackedQ8Linear,
+                                   SplitLinear)
 from engine.models.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
 
@@ -36,9 +37,15 @@ def unsupported_reason(model, kv_cache: KVCache, kernels: CpuKernels, dtype: tor
         return f"its MLP is SiLU-gated only ({config.hidden_act!r} here)"
     for layer in model.model.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            if type(linear) not in WEIGHT_KINDS:
-                return f"its linear layers must be packed q8, int4, q4, q4k or q6k weights ({type(linear).__name__} here)"
+            for part in _parts(linear):
+                if type(part) not in WEIGHT_KINDS:
+                    return f"its linear layers must be packed q8, int4, q4, q4k or q6k weights ({type(part).__name__} here)"
     return None
+
+
+def _parts(linear) -> list:
+    """A linear layer's packed parts: itself, or a SplitLinear's parts (their outputs side by side)."""
+    return list(linear.parts) if isinstance(linear, SplitLinear) else [linear]
 
 
 class NativeDecode:
@@ -56,9 +63,9 @@ class NativeDecode:
             else:
                 tensors += [empty, empty]
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                bias = empty if linear.bias is None else linear.bias.detach()
-                tensors += [linear.weight_packed, bias]
-                kinds.append(WEIGHT_KINDS[type(linear)])
+                parts = _parts(linear)
+                tensors += [empty if linear.bias is None else linear.bias.detach(), *(p.weight_packed for p in parts)]
+                kinds += [len(parts), *(WEIGHT_KINDS[type(p)] for p in parts)]
             tensors += [k_cache, v_cache]
         attn = model.model.layers[0].self_attn
         self.step = torch.classes.tern.DecodeStep(kernels.path, attn.num_heads, attn.num_kv_heads, attn.head_dim,

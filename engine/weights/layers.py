@@ -151,6 +151,23 @@ class PackedQ8Linear(_KernelForward, Q8Linear):
     """Q8Linear multiplied by Tern's q8 kernel (activations quantized per 32 values, as llama.cpp's Q8_0)."""
 
 
+class SplitLinear(nn.Module):
+    """A fused projection (qkv, gate/up) whose parts a file holds in different layouts, e.g. a Q4_K_M file's q and k
+    in Q4_K beside v in Q6_K: each run of parts in its own layer and bytes (one layout for all would widen the 4-bit
+    and 6-bit ones to q8), the outputs side by side. The native decode step runs the parts into one output."""
+
+    def __init__(self, parts: list[nn.Module], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([part(x) for part in self.parts], dim=-1)
+        return out if self.bias is None else out + self.bias
+
+
 class _BlockEmbedding(nn.Module):
     """Row lookup in a block-layout matrix: a GGUF's 4-bit or Q8_0 token embedding, and the matrix a block-layout
     lm_head is tied to. `rows` reads rows `ids` of the layout as float32."""

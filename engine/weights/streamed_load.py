@@ -7,7 +7,8 @@ passing through float; the rest is read as float32 a few thousand rows at a time
 quant.quantize_q8). `auto` keeps each tensor's own width; `int8` makes everything q8 (4-bit blocks de-quantized
 first); `int4` also quantizes float tensors to 4-bit, as it does for any checkpoint. A fused projection (qkv,
 gate/up) keeps a layout only when every part has it (4-bit parts of different layouts all go into int4: q4 exactly,
-q4k with its scales rounded to fp16). Any other mode gets float weights here, one tensor at a time,
+q4k with its scales rounded to fp16); under `auto` parts of other layouts (a Q4_K_M file's q and k in Q4_K, v in
+Q6_K) keep each its own, side by side (layers.SplitLinear). Any other mode gets float weights here, one tensor at a time,
 and quant.quantize runs after, as for any checkpoint. Either way no whole-model float copy exists: peak memory is
 the served weights plus about one tensor in float32.
 
@@ -32,7 +33,7 @@ from engine.errors import ModelLoadError
 from engine.kernels import layouts
 from engine.weights.layers import (
     Int4Embedding, Int4Linear, Int8Embedding, Int8Linear, Q4Embedding, Q4KEmbedding, Q4KLinear, Q4Linear,
-    Q6KEmbedding, Q6KLinear, Q8Embedding, Q8Linear,
+    Q6KEmbedding, Q6KLinear, Q8Embedding, Q8Linear, SplitLinear,
 )
 from engine.models import NATIVE_MODELS
 
@@ -187,6 +188,9 @@ class _LayerBuilder:
         four_bit = ("int4", "q4", "q4k")
         if self.mode in ("auto", "int4") and all(any(self._held_as(n, f) for f in four_bit) for n in names):
             return Int4Linear(self._stacked(names, cols * 5 // 8, self._as_int4), bias)
+        held = {self._layout(n) for n in names}
+        if self.mode == "auto" and len(held) > 1 and None not in held and all(self._fits(n) for n in names):
+            return self._split(names, bias)
         if self.mode == "int4" and int4_from_float and all(self._fits(n) for n in names):
             for type_name in types:
                 self.served[(type_name, "int4 (re-quantized)")] += 1
@@ -204,6 +208,28 @@ class _LayerBuilder:
         if bias is not None:
             linear.bias = nn.Parameter(bias, requires_grad=False)
         return linear
+
+    # The layer class of each layout and its bytes per row of `cols` values.
+    _LAYOUT_LAYERS = {"q4": (Q4Linear, lambda cols: cols * 9 // 16), "q4k": (Q4KLinear, lambda cols: cols * 9 // 16),
+                      "q6k": (Q6KLinear, lambda cols: cols * 105 // 128), "int4": (Int4Linear, lambda cols: cols * 5 // 8),
+                      "q8": (Q8Linear, lambda cols: cols * 17 // 16)}
+
+    def _split(self, names: list[str], bias: torch.Tensor | None) -> SplitLinear:
+        """Parts held in different layouts (under `auto`): each run of parts of one layout stacked in its own layer,
+        so that each keeps its file's bytes."""
+        runs: list[list[str]] = []
+        for name in names:
+            if runs and self._layout(runs[-1][0]) == self._layout(name):
+                runs[-1].append(name)
+            else:
+                runs.append([name])
+        cols = self.source.shape(names[0])[1]
+        layers = []
+        for run in runs:
+            layer, row_bytes = self._LAYOUT_LAYERS[self._layout(run[0])]
+            one = self._q8 if layer is Q8Linear else self._packed
+            layers.append(layer(self._stacked(run, row_bytes(cols), one), None))
+        return SplitLinear(layers, bias)
 
     def embedding_and_head(self, model: nn.Module) -> None:
         """The token embedding, and the lm_head: tied to it (one matrix) when the file has no `output` tensor."""

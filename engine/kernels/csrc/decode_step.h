@@ -28,9 +28,18 @@ namespace {
 // What a linear layer's packed weight holds; the numbers are engine/decode/native_decode.py's WEIGHT_KINDS.
 enum class WeightKind : int64_t { kQ8 = 0, kInt4 = 1, kQ4 = 2, kQ4K = 3, kQ6K = 4 };
 
-struct Linear {
+// One run of a linear layer's output rows in one packed weight.
+struct Part {
   WeightKind kind = WeightKind::kQ8;
-  at::Tensor packed, bias;  // bias: undefined when the layer has none
+  at::Tensor packed;
+  int64_t N = 0, K = 0;
+};
+
+// A linear layer: one part, or several where a fused projection's parts keep layouts of their own (a Q4_K_M file's
+// q and k in q4k beside v in q6k), their outputs side by side.
+struct Linear {
+  std::vector<Part> parts;
+  at::Tensor bias;  // undefined when the layer has none
   int64_t N = 0, K = 0;
 };
 
@@ -40,7 +49,6 @@ struct Layer {
   at::Tensor k_cache, v_cache;  // [slots, Hkv, D] float32, the engine's own
 };
 
-constexpr int64_t kTensorsPerLayer = 14;
 constexpr int64_t kElementwiseGrain = 4096;  // values per thread's share of an elementwise step, at least
 
 at::Tensor defined_or_empty(const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); }
@@ -49,14 +57,12 @@ const float* data(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>(
 
 class DecodeStep : public torch::CustomClassHolder {
  public:
-  // tensors: per layer input_norm, post_norm, q_norm, k_norm, then (packed, bias) for qkv, o, gate_up and down,
-  // then k_cache, v_cache; an absent one is an empty tensor. kinds: per layer, the WeightKind of qkv, o,
-  // gate_up and down.
+  // tensors: per layer input_norm, post_norm, q_norm, k_norm, then for qkv, o, gate_up and down its bias and its
+  // parts' packed weights, then k_cache, v_cache; an absent one is an empty tensor. kinds: per layer and linear
+  // layer, its number of parts, then each part's WeightKind.
   DecodeStep(std::string isa, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
              std::vector<at::Tensor> tensors, std::vector<int64_t> kinds)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(static_cast<float>(eps)) {
-    TORCH_CHECK(tensors.size() % kTensorsPerLayer == 0 && kinds.size() * kTensorsPerLayer == tensors.size() * 4,
-                "DecodeStep: 14 tensors and 4 weight kinds per layer");
     TORCH_CHECK(head_dim % 16 == 0, "DecodeStep: head_dim must be a multiple of 16");
     if (isa == "avx2") {
       int4_groups_ = int4_groups_avx2;
@@ -77,37 +83,51 @@ class DecodeStep : public torch::CustomClassHolder {
     } else {
       TORCH_CHECK(false, "DecodeStep: no kernels for ", isa, " in this build");
     }
-    for (size_t i = 0; i < tensors.size(); i += kTensorsPerLayer) {
-      const at::Tensor* t = &tensors[i];
-      const int64_t* layer_kinds = &kinds[i / kTensorsPerLayer * 4];
+    size_t t = 0, k = 0;
+    auto next_tensor = [&]() -> const at::Tensor& {
+      TORCH_CHECK(t < tensors.size(), "DecodeStep: fewer tensors than the weight kinds name");
+      return tensors[t++];
+    };
+    auto next_kind = [&]() -> int64_t {
+      TORCH_CHECK(k < kinds.size(), "DecodeStep: fewer weight kinds than layers");
+      return kinds[k++];
+    };
+    while (t < tensors.size()) {
       Layer layer;
-      layer.input_norm = t[0];
-      layer.post_norm = t[1];
-      layer.q_norm = defined_or_empty(t[2]);
-      layer.k_norm = defined_or_empty(t[3]);
+      layer.input_norm = next_tensor();
+      layer.post_norm = next_tensor();
+      layer.q_norm = defined_or_empty(next_tensor());
+      layer.k_norm = defined_or_empty(next_tensor());
       Linear* linears[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
-      for (int j = 0; j < 4; ++j) {
-        Linear& linear = *linears[j];
-        TORCH_CHECK(layer_kinds[j] >= 0 && layer_kinds[j] <= 4,
-                    "DecodeStep: weight kinds are 0 (q8), 1 (int4), 2 (q4), 3 (q4k), 4 (q6k)");
-        linear.kind = static_cast<WeightKind>(layer_kinds[j]);
-        linear.packed = t[4 + 2 * j];
-        linear.bias = defined_or_empty(t[5 + 2 * j]);
-        linear.N = linear.packed.size(0);
-        // per row: K * 5 / 8 int4, K * 9 / 16 q4 and q4k, K * 105 / 128 q6k, K * 17 / 16 q8
-        const int64_t bytes = linear.packed.size(1);
-        linear.K = linear.kind == WeightKind::kInt4 ? bytes * 8 / 5 :
-                   linear.kind == WeightKind::kQ8 ? bytes * 16 / 17 :
-                   linear.kind == WeightKind::kQ6K ? bytes * 128 / 105 : bytes * 16 / 9;
-        TORCH_CHECK((linear.kind != WeightKind::kQ4K && linear.kind != WeightKind::kQ6K) ||
-                        linear.K % kQ4KSuperCols == 0,
-                    "DecodeStep: a q4k or q6k weight's K must be a multiple of 256");
-        TORCH_CHECK(linear.packed.scalar_type() == at::kByte && linear.packed.is_contiguous(),
-                    "DecodeStep: packed weights must be contiguous uint8");
-        TORCH_CHECK(!linear.bias.defined() || linear.bias.scalar_type() == at::kFloat, "DecodeStep: float32 biases");
+      for (Linear* linear : linears) {
+        const int64_t num_parts = next_kind();
+        TORCH_CHECK(num_parts >= 1, "DecodeStep: a linear layer has at least one part");
+        linear->bias = defined_or_empty(next_tensor());
+        TORCH_CHECK(!linear->bias.defined() || linear->bias.scalar_type() == at::kFloat, "DecodeStep: float32 biases");
+        for (int64_t i = 0; i < num_parts; ++i) {
+          const int64_t kind = next_kind();
+          TORCH_CHECK(kind >= 0 && kind <= 4, "DecodeStep: weight kinds are 0 (q8), 1 (int4), 2 (q4), 3 (q4k), 4 (q6k)");
+          Part part;
+          part.kind = static_cast<WeightKind>(kind);
+          part.packed = next_tensor();
+          TORCH_CHECK(part.packed.scalar_type() == at::kByte && part.packed.is_contiguous() && part.packed.dim() == 2,
+                      "DecodeStep: packed weights must be contiguous uint8");
+          part.N = part.packed.size(0);
+          // per row: K * 5 / 8 int4, K * 9 / 16 q4 and q4k, K * 105 / 128 q6k, K * 17 / 16 q8
+          const int64_t bytes = part.packed.size(1);
+          part.K = part.kind == WeightKind::kInt4 ? bytes * 8 / 5 :
+                   part.kind == WeightKind::kQ8 ? bytes * 16 / 17 :
+                   part.kind == WeightKind::kQ6K ? bytes * 128 / 105 : bytes * 16 / 9;
+          TORCH_CHECK((part.kind != WeightKind::kQ4K && part.kind != WeightKind::kQ6K) || part.K % kQ4KSuperCols == 0,
+                      "DecodeStep: a q4k or q6k weight's K must be a multiple of 256");
+          TORCH_CHECK(i == 0 || part.K == linear->K, "DecodeStep: a linear layer's parts take one input width");
+          linear->K = part.K;
+          linear->N += part.N;
+          linear->parts.push_back(std::move(part));
+        }
       }
-      layer.k_cache = t[12];
-      layer.v_cache = t[13];
+      layer.k_cache = next_tensor();
+      layer.v_cache = next_tensor();
       TORCH_CHECK(layer.k_cache.scalar_type() == at::kFloat && layer.k_cache.is_contiguous() &&
                       layer.v_cache.is_contiguous() && layer.k_cache.size(1) == num_kv_heads &&
                       layer.k_cache.size(2) == head_dim,
@@ -115,6 +135,7 @@ class DecodeStep : public torch::CustomClassHolder {
       TORCH_CHECK(layer.qkv.N == (num_heads + 2 * num_kv_heads) * head_dim, "DecodeStep: qkv rows");
       layers_.push_back(std::move(layer));
     }
+    TORCH_CHECK(k == kinds.size(), "DecodeStep: more weight kinds than the tensors hold");
   }
 
   // x [B, H] after the embedding; cos, sin [B, D] at each sequence's position; slot_mapping [B] where its new key
@@ -206,18 +227,21 @@ class DecodeStep : public torch::CustomClassHolder {
     for (int64_t i = half; i < head_dim_; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
   }
 
+  // out [M, l.N] = x [M, l.K] @ w.T (+ bias): each part writes its columns of every row (the kernels' output row
+  // stride is the whole layer's N).
   void linear(const Linear& l, const float* x, int64_t M, float* out) {
-    if (l.kind != WeightKind::kQ8) {
-      if (l.kind == WeightKind::kQ4K) {
-        q4k_matmul(q4k_groups_, scratch_, x, false, M, l.K, l.packed.data_ptr<uint8_t>(), l.N, out);
-      } else if (l.kind == WeightKind::kQ6K) {
-        q6k_matmul(q6k_groups_, scratch_, x, false, M, l.K, l.packed.data_ptr<uint8_t>(), l.N, out);
-      } else {
-        int4_matmul(l.kind == WeightKind::kQ4 ? q4_groups_ : int4_groups_, scratch_, x, false, M, l.K,
-                    l.packed.data_ptr<uint8_t>(), l.N, out);
+    int64_t column = 0;
+    for (const Part& part : l.parts) {
+      const uint8_t* w = part.packed.data_ptr<uint8_t>();
+      float* part_out = out + column;
+      switch (part.kind) {
+        case WeightKind::kQ4K: q4k_matmul(q4k_groups_, scratch_, x, false, M, l.K, w, part.N, part_out, l.N); break;
+        case WeightKind::kQ6K: q6k_matmul(q6k_groups_, scratch_, x, false, M, l.K, w, part.N, part_out, l.N); break;
+        case WeightKind::kQ4: int4_matmul(q4_groups_, scratch_, x, false, M, l.K, w, part.N, part_out, l.N); break;
+        case WeightKind::kInt4: int4_matmul(int4_groups_, scratch_, x, false, M, l.K, w, part.N, part_out, l.N); break;
+        case WeightKind::kQ8: q8_matmul(q8_groups_, scratch_, x, false, M, l.K, w, part.N, part_out, l.N); break;
       }
-    } else {
-      q8_matmul(q8_groups_, scratch_, x, false, M, l.K, l.packed.data_ptr<uint8_t>(), l.N, out);
+      column += part.N;
     }
     if (l.bias.defined()) {
       const float* bias = l.bias.data_ptr<float>();

@@ -33,7 +33,7 @@ void quantize_rows_avx2(const void* x, bool bf16, int64_t m0, int64_t m1, const 
 // acc += dot * (d * x_scale), then acc += m * (x_scale * sum(xq)).
 struct Int4Problem {
   const QuantizedRows* x;
-  int64_t M, N;
+  int64_t M, N;  // N: the output's row stride, the weight's rows unless it writes some columns of a wider output
   const uint8_t* w;
   void* out;  // [M, N] float32 or bfloat16
   bool out_bf16;

@@ -1,6 +1,7 @@
 // The q8 and int4 matmuls on raw pointers, threaded with at::parallel_for: what ops.cpp's operators and
 // decode_step.cpp's fused layers both call. Activations are quantized first (once per call), then the weight
-// groups are split across threads.
+// groups are split across threads. `out_stride` (default N): the output's row stride, where a layer's part writes
+// its columns of a wider output (the kernels' Problem.N is only ever that stride).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -45,37 +46,37 @@ struct QuantizedScratch {
 // out [M, N] = x [M, K] @ w.T for a 4-bit weight packed per 8 rows and 32 columns: int4 or q4, as `groups` reads
 // (kernels.h).
 inline void int4_matmul(Int4Groups groups, QuantizedScratch& scratch, const void* x, bool x_bf16, int64_t M,
-                        int64_t K, const uint8_t* w, int64_t N, void* out) {
+                        int64_t K, const uint8_t* w, int64_t N, void* out, int64_t out_stride = 0) {
   if (M == 0) return;
   const QuantizedRows q = scratch.quantize(x, x_bf16, M, K, kInt4GroupCols);
-  const Int4Problem p{&q, M, N, w, out, x_bf16};
+  const Int4Problem p{&q, M, out_stride ? out_stride : N, w, out, x_bf16};
   at::parallel_for(0, N / kInt4GroupRows, 8, [&](int64_t g0, int64_t g1) { groups(p, g0, g1); });
 }
 
 // out [M, N] = x [M, K] @ w.T for a q4k weight (GGUF's Q4_K, kernels.h): activations in blocks of 256 with sums per 32.
 inline void q4k_matmul(Int4Groups groups, QuantizedScratch& scratch, const void* x, bool x_bf16, int64_t M,
-                       int64_t K, const uint8_t* w, int64_t N, void* out) {
+                       int64_t K, const uint8_t* w, int64_t N, void* out, int64_t out_stride = 0) {
   if (M == 0) return;
   const QuantizedRows q = scratch.quantize(x, x_bf16, M, K, kQ4KSuperCols, true);
-  const Int4Problem p{&q, M, N, w, out, x_bf16};
+  const Int4Problem p{&q, M, out_stride ? out_stride : N, w, out, x_bf16};
   at::parallel_for(0, N / kInt4GroupRows, 8, [&](int64_t g0, int64_t g1) { groups(p, g0, g1); });
 }
 
 // out [M, N] = x [M, K] @ w.T for a q6k weight (GGUF's Q6_K, kernels.h): activations in blocks of 256 with sums per 16.
 inline void q6k_matmul(Int4Groups groups, QuantizedScratch& scratch, const void* x, bool x_bf16, int64_t M,
-                       int64_t K, const uint8_t* w, int64_t N, void* out) {
+                       int64_t K, const uint8_t* w, int64_t N, void* out, int64_t out_stride = 0) {
   if (M == 0) return;
   const QuantizedRows q = scratch.quantize(x, x_bf16, M, K, kQ6KSuperCols, false, true);
-  const Int4Problem p{&q, M, N, w, out, x_bf16};
+  const Int4Problem p{&q, M, out_stride ? out_stride : N, w, out, x_bf16};
   at::parallel_for(0, N / kInt4GroupRows, 8, [&](int64_t g0, int64_t g1) { groups(p, g0, g1); });
 }
 
 // out [M, N] = x [M, K] @ w.T for an int8 weight with a scale per 32 values, packed per 8 rows and 32 columns.
 inline void q8_matmul(Q8Groups groups, QuantizedScratch& scratch, const void* x, bool x_bf16, int64_t M, int64_t K,
-                      const uint8_t* w, int64_t N, void* out) {
+                      const uint8_t* w, int64_t N, void* out, int64_t out_stride = 0) {
   if (M == 0) return;
   const QuantizedRows q = scratch.quantize(x, x_bf16, M, K, kQ8GroupCols);
-  const Q8Problem p{&q, M, N, w, out, x_bf16};
+  const Q8Problem p{&q, M, out_stride ? out_stride : N, w, out, x_bf16};
   at::parallel_for(0, N / kQ8GroupRows, 8, [&](int64_t g0, int64_t g1) { groups(p, g0, g1); });
 }
 

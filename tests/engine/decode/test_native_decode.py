@@ -47,31 +47,53 @@ def _as_q4_k(model) -> None:
                 setattr(parent, name, layers.Q4KLinear(packed, child.bias))
 
 
+def _q6k_packed(weight: torch.Tensor) -> torch.Tensor:
+    """About `weight` as a Q6_K tensor holds it: per 16 values an int8 scale under each super-block's fp16 d, and 6-bit
+    levels q - 32, in Tern's q6k layout."""
+    rows = weight.shape[0]
+    per_sub = weight.reshape(rows, -1, 16).abs().amax(-1) / 31  # [N, K/16]: the step each 16 wants
+    d = (per_sub.reshape(rows, -1, 16).amax(-1) / 127).half().clamp(min=2.0**-14)  # [N, K/256]
+    scale = (per_sub / d.float().repeat_interleave(16, dim=1)).round().clamp(1, 127)
+    step = d.float().repeat_interleave(16, dim=1) * scale
+    q = (weight.reshape(rows, -1, 16) / step[..., None]).round().clamp(-32, 31) + 32
+    return layouts.pack_q6k(q.to(torch.uint8).reshape(rows, -1), scale.to(torch.int8), d)
+
+
 def _as_q6_k(model) -> None:
-    """Every q8 linear layer as a Q6_K tensor would hold about the same weight: per 16 values an int8 scale under
-    each super-block's fp16 d, and 6-bit levels q - 32."""
+    """Every q8 linear layer as a Q6_K tensor would hold about the same weight."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is layers.Q8Linear and child.in_features % layouts.Q6K_SUPER_COLS == 0:
-                weight = layouts.dequantize_q8(child.weight_packed)
-                rows = weight.shape[0]
-                per_sub = weight.reshape(rows, -1, 16).abs().amax(-1) / 31  # [N, K/16]: the step each 16 wants
-                d = (per_sub.reshape(rows, -1, 16).amax(-1) / 127).half().clamp(min=2.0**-14)  # [N, K/256]
-                scale = (per_sub / d.float().repeat_interleave(16, dim=1)).round().clamp(1, 127)
-                step = d.float().repeat_interleave(16, dim=1) * scale
-                q = (weight.reshape(rows, -1, 16) / step[..., None]).round().clamp(-32, 31) + 32
-                packed = layouts.pack_q6k(q.to(torch.uint8).reshape(rows, -1), scale.to(torch.int8), d)
+                packed = _q6k_packed(layouts.dequantize_q8(child.weight_packed))
                 setattr(parent, name, layers.Q6KLinear(packed, child.bias))
+
+
+def _as_q4_k_m(model) -> None:
+    """As a Q4_K_M file holds a model: Q4_K (as _as_q4_k), but v and down in Q6_K; qkv then keeps its q and k rows in
+    q4k beside its v rows in q6k (layers.SplitLinear)."""
+    _as_q4_k(model)
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = attn.qkv_proj
+        v_rows = attn.num_kv_heads * attn.head_dim
+        qk_rows = qkv.out_features - v_rows
+        v = layouts.dequantize_q4k(qkv.weight_packed)[qk_rows:]
+        attn.qkv_proj = layers.SplitLinear([layers.Q4KLinear(qkv.weight_packed[:qk_rows].clone(), None),
+                                            layers.Q6KLinear(_q6k_packed(v), None)], qkv.bias)
+        down = mlp.down_proj
+        mlp.down_proj = layers.Q6KLinear(_q6k_packed(layouts.dequantize_q4k(down.weight_packed)), down.bias)
 
 
 def _engine(tokenizer, path, model_type: str, mode: str, native: bool, dtype=torch.float32, **overrides) -> Engine:
     """mode "q4": int4, then the 4-bit layers as Q4_0 files hold them (q4); "q4k": as Q4_K ones would (q4k);
-    "q6k": int8, then the q8 layers as Q6_K ones would (q6k)."""
+    "q6k": int8, then the q8 layers as Q6_K ones would (q6k); "q4k_m": as a Q4_K_M file holds them."""
     hf_config = tiny_config(model_type, **overrides)
     _, loaded = build_tiny(hf_config, tokenizer, seed=0, dtype=dtype, path=path)
-    quant.quantize(loaded.model, {"q4": "int4", "q4k": "int4", "q6k": "int8"}.get(mode, mode), loaded.device, dtype)
-    if mode in ("q4", "q4k", "q6k"):
-        {"q4": _as_q4_0, "q4k": _as_q4_k, "q6k": _as_q6_k}[mode](loaded.model)
+    conversions = {"q4": _as_q4_0, "q4k": _as_q4_k, "q6k": _as_q6_k, "q4k_m": _as_q4_k_m}
+    quant.quantize(loaded.model, "int8" if mode == "q6k" else "int4" if mode in conversions else mode, loaded.device,
+                   dtype)
+    if mode in conversions:
+        conversions[mode](loaded.model)
         mode = "int8" if mode == "q6k" else "int4"
     quant.pack_for_cpu(loaded.model, path)
     loaded.quantization = mode
@@ -110,7 +132,7 @@ def test_native_decode_gives_the_eager_twins_tokens(default_tokenizer, path_kern
 # q4k needs rows of whole 256-value super-blocks; at these widths a random model's near-flat logits tie more often
 # than the token test above allows for, so q4k is held here, to float rounding of one step.
 @pytest.mark.parametrize("model_type,mode,overrides", [("qwen3", "int4", {}), ("llama", "q4k", Q4K_SHAPES),
-                                                      ("llama", "q6k", Q4K_SHAPES)])
+                                                      ("llama", "q6k", Q4K_SHAPES), ("llama", "q4k_m", Q4K_SHAPES)])
 def test_one_decode_step_matches_the_eager_layers_to_float_rounding(default_tokenizer, path_kernels, model_type, mode,
                                                                     overrides):
     """Hidden states after every layer of one step, for a batch of sequences with different contexts."""
@@ -120,9 +142,11 @@ def test_one_decode_step_matches_the_eager_layers_to_float_rounding(default_toke
     if mode == "q4k":  # where the path has no q4k kernel (AVX2), the int4 one serves the same weights
         packed = layers.PackedQ4KLinear if path_kernels.q4k_mm else layers.PackedInt4Linear
         assert any(type(m) is packed for m in engine.runner.model.modules())
-    if mode == "q6k":
+    if mode in ("q6k", "q4k_m"):
         require_op(path_kernels.q6k_mm, "q6k")
         assert sum(type(m) is layers.PackedQ6KLinear for m in engine.runner.model.modules()) >= 4
+    if mode == "q4k_m":  # q and k rows in one layout, v rows in another: two matmuls into one output
+        assert all(type(layer.self_attn.qkv_proj) is layers.SplitLinear for layer in engine.runner.model.model.layers)
     runner = engine.runner
     lengths = [5, 17, 40]
     tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]

@@ -24,7 +24,7 @@ from engine.weights import gguf_blocks
 from engine.weights.gguf_blocks import GGUF_TYPES
 from engine.kernels import GGUF_REPACK_LAYOUTS, layouts
 from engine.weights.layers import (Int4Embedding, Int4Linear, Q4Embedding, Q4KEmbedding, Q4KLinear, Q4Linear,
-                                   Q6KEmbedding, Q6KLinear, Q8Embedding, Q8Linear)
+                                   Q6KEmbedding, Q6KLinear, Q8Embedding, Q8Linear, SplitLinear)
 from engine.weights.checkpoint import default_gguf_path
 
 BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q4_K: (256, 144), T.Q5_0: (32, 22), T.Q6_K: (256, 210),
@@ -280,8 +280,9 @@ def test_a_native_gguf_loads_without_transformers_modeling_stack(tmp_path):
 def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path):
     """4-bit tensors are built 4-bit and Q8_0 and Q5_0 ones q8, with the values transformers de-quantizes from the
     file (exact for Q4_0/Q4_1/Q4_K/Q5_0/Q8_0, and for Q4_0 parts joined to q8 ones; within fp16 rounding of the
-    scales for Q4_K parts joined to other 4-bit types in int4); Q6_K in q6k, exact; the rest (Q6_K beside other
-    types, F32) q8 within half a step of its scales; q and k rows in transformers' order. (The layers as built, before packing for a kernel
+    scales for Q4_K parts joined to other 4-bit types in int4); Q6_K in q6k, exact; a fused projection whose parts
+    the file holds in different layouts (a Q4_K_M file's q, k and v) keeps each part's, exactly; the rest (F32) q8
+    within half a step of its scales; q and k rows in transformers' order. (The layers as built, before packing for a kernel
     path: without kernels aten's int4pack re-packs them in its own way.)"""
     from transformers import AutoConfig
 
@@ -303,12 +304,21 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
         ):
             kinds = {types[f"blk.{index}.{g}.weight"] for g in gguf_names}
             is_4bit = kinds <= {T.Q4_0, T.Q4_1, T.Q4_K}
+            section = "self_attn." if "q_proj" in parts else "mlp."
+            expected = torch.cat([reference[prefix + section + p + ".weight"] for p in parts])
+            layouts_held = {GGUF_TYPES[kind].layout for kind in kinds}
+            if not is_4bit and len(layouts_held) > 1 and "dequantize" not in layouts_held:
+                # Parts of different layouts keep each its own, side by side: the file's values, exactly.
+                assert type(fused) is SplitLinear and len(fused.parts) > 1
+                dequantize = {Q4Linear: layouts.dequantize_q4, Q4KLinear: layouts.dequantize_q4k,
+                              Q6KLinear: layouts.dequantize_q6k, Q8Linear: layouts.dequantize_q8}
+                ours = torch.cat([dequantize[type(part)](part.weight_packed) for part in fused.parts])
+                assert torch.equal(ours, expected)
+                continue
             # Q4_0 alone in its own q4 layout, Q4_K in q4k; beside other 4-bit parts, int4; else q8.
             expected_type = (Q4Linear if kinds == {T.Q4_0} else Q4KLinear if kinds == {T.Q4_K} else
                              Q6KLinear if kinds == {T.Q6_K} else Int4Linear if is_4bit else Q8Linear)
             assert type(fused) is expected_type, (kinds, type(fused))
-            section = "self_attn." if "q_proj" in parts else "mlp."
-            expected = torch.cat([reference[prefix + section + p + ".weight"] for p in parts])
             if expected_type is Q6KLinear:
                 assert torch.equal(layouts.dequantize_q6k(fused.weight_packed), expected)
             elif not is_4bit:
@@ -356,19 +366,22 @@ def test_a_gguf_answers_as_transformers_does_on_the_same_file(tiny_gguf, tmp_pat
         engine.stop()
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
-def test_a_quantized_gguf_takes_the_files_size_in_memory(tmp_path, ggml_type):
-    path = write_tiny_gguf(tmp_path / "model.gguf", every(ggml_type))
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q6_K", "Q4_K_M"])
+def test_a_quantized_gguf_takes_the_files_size_in_memory(tmp_path, name):
+    types = Q4_K_M if name == "Q4_K_M" else every(T[name])
+    path = write_tiny_gguf(tmp_path / "model.gguf", types, tied=name != "Q4_K_M")
     engine = Engine(EngineConfig(model=str(path), quantization="auto", cache_dir=str(tmp_path / "cache"))).start()
     try:
-        assert engine.loaded.quantization == ("int8" if ggml_type == T.Q6_K else "int4")
+        assert engine.loaded.quantization == ("int8" if name == "Q6_K" else "int4")
         # Q4_0 is served in its own 18 bytes per 32 values (q4), Q4_K in its 144 per 256 (q4k), Q6_K in its 210 per
-        # 256 (q6k), and the norms as the file's float32. Without Tern's kernels (TERN_CPU_KERNELS=off) aten's
-        # int4pack holds its own copies of the 4-bit layers, and Q6_K goes into q8.
+        # 256 (q6k), a Q4_K_M file's qkv as its parts (q4k and q6k side by side), and the norms as the file's
+        # float32. Without Tern's kernels (TERN_CPU_KERNELS=off) aten's int4pack holds its own copies of the 4-bit
+        # layers, and Q6_K goes into q8; on AVX2 Q4_K goes into int4.
         tensor_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
         kernels = engine.loaded.kernels
-        kernel = {T.Q4_0: kernels.q4_mm, T.Q4_K: kernels.q4k_mm, T.Q6_K: kernels.q6k_mm}[ggml_type]
-        if kernels.path != "off" and kernel is not None:  # else Q4_K is int4
+        needed = {"Q4_0": [kernels.q4_mm], "Q4_K": [kernels.q4k_mm], "Q6_K": [kernels.q6k_mm],
+                  "Q4_K_M": [kernels.q4k_mm, kernels.q6k_mm]}[name]
+        if kernels.path != "off" and None not in needed:
             assert engine.loaded.weight_bytes == tensor_bytes
         [completion] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         assert len(completion.choices[0].token_ids) == 4
