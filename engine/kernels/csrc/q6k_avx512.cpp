@@ -7,6 +7,7 @@
 // s_j * dot in integers (vpmulld), and one float step per super-block follows: llama.cpp's Q6_K x Q8_K.
 #include "avx512.h"
 #include "kernels.h"
+#include "q6k_rows.h"
 
 #include <immintrin.h>
 
@@ -17,9 +18,7 @@ namespace {
 
 constexpr int kTileRows = 8;  // activation rows sharing each weight load
 constexpr int kSingleGroupRows = 2;  // up to this many rows, one group at a time (group_rows)
-// Both streams are prefetched kPrefetchBytes ahead, 210 bytes (a super-block's 1680 / 8) a block: stepping by a
-// block's 192 bytes of values would skip each super-block's 144 header bytes, and those lines then missed.
-constexpr int64_t kPrefetchBytes = 4 * kQ6KSuperBytes / 8;
+using q6k::kPrefetchBytes;  // both groups' streams, as q6k_rows.h steps it
 
 // Nibble register i's 6-bit values, its low and high nibbles: the top bits of an even i sit at bits 0-1 (low) and
 // 2-3 (high) of the top-bit register's bytes, of an odd i at 4-5 and 6-7; each pair goes to bits 4-5.
@@ -91,69 +90,20 @@ inline void pair_rows(const Q6KProblem& p, int64_t m0, const uint8_t* wa, const 
   for (int m = 0; m < MB; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, _mm512_load_ps(result[m]), p.out_bf16);
 }
 
-// One group at a time in 256-bit registers (VNNI on AVX512-VL): the decode-sized problems (a few rows), where
-// reading one stream of weights beats reading two groups' side by side (measured below the README's table).
-template <int MB>
-inline void group_rows(const Q6KProblem& p, int64_t m0, const uint8_t* w, int64_t n0, bool prefetch) {
-  const QuantizedRows& q = *p.x;
-  const int64_t per_row = q.K / 16;
-  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
-  alignas(32) float result[MB][8] = {};
-  for (int64_t s = 0; s < q.blocks; ++s) {
-    const uint8_t* super = w + s * kQ6KSuperBytes;
-    __m256i isum[MB];
-    for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
-    for (int c = 0; c < 8; ++c) {
-      const uint8_t* wc = super + kQ6KHeaderBytes + c * kQ6KBlockBytes;
-      if (prefetch)
-        for (int line = 0; line < 256; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(super + kPrefetchBytes + c * kQ6KSuperBytes / 8 + line), _MM_HINT_T0);
-      const int32_t* x[MB];
-      for (int m = 0; m < MB; ++m)
-        x[m] = reinterpret_cast<const int32_t*>(q.values + (m0 + m) * q.K + s * kQ6KSuperCols + c * 32);
-      for (int h = 0; h < 2; ++h) {
-        const int j = 2 * c + h;
-        const __m256i highs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 128 + 32 * h));
-        __m256i dot[MB];
-        for (int m = 0; m < MB; ++m) dot[m] = _mm256_set1_epi32(-32 * q.sums16[(m0 + m) * per_row + s * 16 + j]);
-        for (int k = 0; k < 2; ++k) {
-          const int i = 2 * h + k;
-          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32 * i));
-          __m256i lo = _mm256_and_si256(packed, low), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-          if (k == 0) {
-            lo = _mm256_ternarylogic_epi32(lo, _mm256_slli_epi16(highs, 4), top, 0xF8);
-            hi = _mm256_ternarylogic_epi32(hi, _mm256_slli_epi16(highs, 2), top, 0xF8);
-          } else {
-            lo = _mm256_ternarylogic_epi32(lo, highs, top, 0xF8);
-            hi = _mm256_ternarylogic_epi32(hi, _mm256_srli_epi16(highs, 2), top, 0xF8);
-          }
-          for (int m = 0; m < MB; ++m) {
-            dot[m] = _mm256_dpbusd_epi32(dot[m], lo, _mm256_set1_epi32(x[m][2 * i]));
-            dot[m] = _mm256_dpbusd_epi32(dot[m], hi, _mm256_set1_epi32(x[m][2 * i + 1]));
-          }
-        }
-        const __m256i scale = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 16 + 8 * j)));
-        for (int m = 0; m < MB; ++m) isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(dot[m], scale));
-      }
-    }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super)));
-    for (int m = 0; m < MB; ++m) {
-      const __m256 x_scale = _mm256_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
-      _mm256_store_ps(result[m], _mm256_add_ps(_mm256_load_ps(result[m]),
-                                               _mm256_mul_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, x_scale))));
-    }
+// One or two rows: one group at a time in 256-bit registers (q6k_rows.h), with vpdpbusd (AVX512-VL) and one
+// vpternlogd per half.
+struct Vnni256 {
+  static void six_bits(__m256i packed, __m256i highs, bool odd, __m256i& lo, __m256i& hi) {
+    const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+    lo = _mm256_and_si256(packed, low);
+    hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+    lo = _mm256_ternarylogic_epi32(lo, odd ? highs : _mm256_slli_epi16(highs, 4), top, 0xF8);
+    hi = _mm256_ternarylogic_epi32(hi, odd ? _mm256_srli_epi16(highs, 2) : _mm256_slli_epi16(highs, 2), top, 0xF8);
   }
-  for (int m = 0; m < MB; ++m) {
-    const __m256 v = _mm256_load_ps(result[m]);
-    const int64_t index = (m0 + m) * p.N + n0;
-    if (p.out_bf16) {  // 8 results: the low half of a 16-lane conversion
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p.out) + index),
-                       _mm256_castsi256_si128(avx512::to_bf16(_mm512_zextps256_ps512(v))));
-    } else {
-      _mm256_storeu_ps(static_cast<float*>(p.out) + index, v);
-    }
+  static __m256i dot(__m256i acc, __m256i lo, __m256i hi, __m256i x_lo, __m256i x_hi) {
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, lo, x_lo), hi, x_hi);
   }
-}
+};
 
 }  // namespace
 
@@ -163,8 +113,8 @@ void q6k_groups_avx512(const Q6KProblem& p, int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* wg = p.w + g * group_stride;
       switch (p.M) {
-        case 1: group_rows<1>(p, 0, wg, g * kInt4GroupRows, true); break;
-        default: group_rows<2>(p, 0, wg, g * kInt4GroupRows, true); break;
+        case 1: q6k::group_rows<Vnni256, 1>(p, 0, wg, g * kInt4GroupRows, true); break;
+        default: q6k::group_rows<Vnni256, 2>(p, 0, wg, g * kInt4GroupRows, true); break;
       }
     }
     return;
