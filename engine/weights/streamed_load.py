@@ -22,6 +22,7 @@ converter permutes them).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import Counter
 
@@ -209,26 +210,18 @@ class _LayerBuilder:
             linear.bias = nn.Parameter(bias, requires_grad=False)
         return linear
 
-    # The layer class of each layout and its bytes per row of `cols` values.
-    _LAYOUT_LAYERS = {"q4": (Q4Linear, lambda cols: cols * 9 // 16), "q4k": (Q4KLinear, lambda cols: cols * 9 // 16),
-                      "q6k": (Q6KLinear, lambda cols: cols * 105 // 128), "int4": (Int4Linear, lambda cols: cols * 5 // 8),
-                      "q8": (Q8Linear, lambda cols: cols * 17 // 16)}
+    _LAYOUT_LAYERS = {"q4": Q4Linear, "q4k": Q4KLinear, "q6k": Q6KLinear, "int4": Int4Linear, "q8": Q8Linear}
 
     def _split(self, names: list[str], bias: torch.Tensor | None) -> SplitLinear:
         """Parts held in different layouts (under `auto`): each run of parts of one layout stacked in its own layer,
         so that each keeps its file's bytes."""
-        runs: list[list[str]] = []
-        for name in names:
-            if runs and self._layout(runs[-1][0]) == self._layout(name):
-                runs[-1].append(name)
-            else:
-                runs.append([name])
         cols = self.source.shape(names[0])[1]
         layers = []
-        for run in runs:
-            layer, row_bytes = self._LAYOUT_LAYERS[self._layout(run[0])]
-            one = self._q8 if layer is Q8Linear else self._packed
-            layers.append(layer(self._stacked(run, row_bytes(cols), one), None))
+        for layout, run in itertools.groupby(names, key=self._layout):
+            layer = self._LAYOUT_LAYERS[layout]
+            size, values = layer.PACKED_BYTES
+            layers.append(layer(self._stacked(list(run), cols * size // values,
+                                              self._q8 if layer is Q8Linear else self._packed), None))
         return SplitLinear(layers, bias)
 
     def embedding_and_head(self, model: nn.Module) -> None:

@@ -28,11 +28,13 @@ namespace {
 // What a linear layer's packed weight holds; the numbers are engine/decode/native_decode.py's WEIGHT_KINDS.
 enum class WeightKind : int64_t { kQ8 = 0, kInt4 = 1, kQ4 = 2, kQ4K = 3, kQ6K = 4 };
 
-// One run of a linear layer's output rows in one packed weight.
+// One run of a linear layer's output rows in one packed weight, with the kernel that reads its layout and how that
+// kernel wants its activations (chosen once, when the step is built).
 struct Part {
-  WeightKind kind = WeightKind::kQ8;
   at::Tensor packed;
-  int64_t N = 0, K = 0;
+  Int4Groups groups = nullptr;
+  ActivationBlocks activations = kPer32Activations;
+  int64_t N = 0;
 };
 
 // A linear layer: one part, or several where a fused projection's parts keep layouts of their own (a Q4_K_M file's
@@ -64,20 +66,16 @@ class DecodeStep : public torch::CustomClassHolder {
              std::vector<at::Tensor> tensors, std::vector<int64_t> kinds)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(static_cast<float>(eps)) {
     TORCH_CHECK(head_dim % 16 == 0, "DecodeStep: head_dim must be a multiple of 16");
+    // Per WeightKind (q8, int4, q4, q4k, q6k): the kernel of this instruction set.
+    Int4Groups kernels[5];
     if (isa == "avx2") {
-      int4_groups_ = int4_groups_avx2;
-      q4_groups_ = q4_groups_avx2;
-      q4k_groups_ = q4k_groups_avx2;
-      q6k_groups_ = q6k_groups_avx2;
-      q8_groups_ = q8_groups_avx2;
+      kernels[0] = q8_groups_avx2, kernels[1] = int4_groups_avx2, kernels[2] = q4_groups_avx2;
+      kernels[3] = q4k_groups_avx2, kernels[4] = q6k_groups_avx2;
       attention_ = decode_attention_avx2;
 #ifdef TERN_WITH_AVX512
     } else if (isa == "avx512") {
-      int4_groups_ = int4_groups_avx512;
-      q4_groups_ = q4_groups_avx512;
-      q4k_groups_ = q4k_groups_avx512;
-      q6k_groups_ = q6k_groups_avx512;
-      q8_groups_ = q8_groups_avx512;
+      kernels[0] = q8_groups_avx512, kernels[1] = int4_groups_avx512, kernels[2] = q4_groups_avx512;
+      kernels[3] = q4k_groups_avx512, kernels[4] = q6k_groups_avx512;
       attention_ = decode_attention_avx512;
 #endif
     } else {
@@ -107,21 +105,23 @@ class DecodeStep : public torch::CustomClassHolder {
         for (int64_t i = 0; i < num_parts; ++i) {
           const int64_t kind = next_kind();
           TORCH_CHECK(kind >= 0 && kind <= 4, "DecodeStep: weight kinds are 0 (q8), 1 (int4), 2 (q4), 3 (q4k), 4 (q6k)");
+          const WeightKind weight = static_cast<WeightKind>(kind);
           Part part;
-          part.kind = static_cast<WeightKind>(kind);
           part.packed = next_tensor();
           TORCH_CHECK(part.packed.scalar_type() == at::kByte && part.packed.is_contiguous() && part.packed.dim() == 2,
                       "DecodeStep: packed weights must be contiguous uint8");
+          part.groups = kernels[kind];
+          part.activations = weight == WeightKind::kQ4K ? kQ4KActivations :
+                             weight == WeightKind::kQ6K ? kQ6KActivations : kPer32Activations;
           part.N = part.packed.size(0);
           // per row: K * 5 / 8 int4, K * 9 / 16 q4 and q4k, K * 105 / 128 q6k, K * 17 / 16 q8
           const int64_t bytes = part.packed.size(1);
-          part.K = part.kind == WeightKind::kInt4 ? bytes * 8 / 5 :
-                   part.kind == WeightKind::kQ8 ? bytes * 16 / 17 :
-                   part.kind == WeightKind::kQ6K ? bytes * 128 / 105 : bytes * 16 / 9;
-          TORCH_CHECK((part.kind != WeightKind::kQ4K && part.kind != WeightKind::kQ6K) || part.K % kQ4KSuperCols == 0,
-                      "DecodeStep: a q4k or q6k weight's K must be a multiple of 256");
-          TORCH_CHECK(i == 0 || part.K == linear->K, "DecodeStep: a linear layer's parts take one input width");
-          linear->K = part.K;
+          const int64_t K = weight == WeightKind::kInt4 ? bytes * 8 / 5 :
+                            weight == WeightKind::kQ8 ? bytes * 16 / 17 :
+                            weight == WeightKind::kQ6K ? bytes * 128 / 105 : bytes * 16 / 9;
+          TORCH_CHECK(K % part.activations.block == 0, "DecodeStep: a weight's K must be a multiple of its activation blocks (256: q4k, q6k)");
+          TORCH_CHECK(i == 0 || K == linear->K, "DecodeStep: a linear layer's parts take one input width");
+          linear->K = K;
           linear->N += part.N;
           linear->parts.push_back(std::move(part));
         }
@@ -232,15 +232,8 @@ class DecodeStep : public torch::CustomClassHolder {
   void linear(const Linear& l, const float* x, int64_t M, float* out) {
     int64_t column = 0;
     for (const Part& part : l.parts) {
-      const uint8_t* w = part.packed.data_ptr<uint8_t>();
-      float* part_out = out + column;
-      switch (part.kind) {
-        case WeightKind::kQ4K: q4k_matmul(q4k_groups_, scratch_, x, false, M, l.K, w, part.N, part_out, l.N); break;
-        case WeightKind::kQ6K: q6k_matmul(q6k_groups_, scratch_, x, false, M, l.K, w, part.N, part_out, l.N); break;
-        case WeightKind::kQ4: int4_matmul(q4_groups_, scratch_, x, false, M, l.K, w, part.N, part_out, l.N); break;
-        case WeightKind::kInt4: int4_matmul(int4_groups_, scratch_, x, false, M, l.K, w, part.N, part_out, l.N); break;
-        case WeightKind::kQ8: q8_matmul(q8_groups_, scratch_, x, false, M, l.K, w, part.N, part_out, l.N); break;
-      }
+      block_matmul(part.groups, part.activations, scratch_, x, false, M, l.K, part.packed.data_ptr<uint8_t>(), part.N,
+                   out + column, l.N);
       column += part.N;
     }
     if (l.bias.defined()) {
@@ -252,8 +245,6 @@ class DecodeStep : public torch::CustomClassHolder {
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   float eps_;
-  Int4Groups int4_groups_ = nullptr, q4_groups_ = nullptr, q4k_groups_ = nullptr, q6k_groups_ = nullptr;
-  Q8Groups q8_groups_ = nullptr;
   AttentionTasks attention_ = nullptr;
   std::vector<Layer> layers_;
   QuantizedScratch scratch_;

@@ -12,6 +12,7 @@
 // The q4 layout (kernels.h: q4_groups_avx512, GGUF's Q4_0) is the same loop without minimums: each dot starts at
 // -8 * sum(xq), so it ends at sum((q - 8) * xq), and one float step follows, q8's. The q4k layout (GGUF's Q4_K) has a
 // loop of its own below: the same dots, summed per super-block in integers.
+#include "avx2.h"
 #include "avx512.h"
 #include "kernels.h"
 
@@ -254,15 +255,7 @@ inline void q4k_group_rows(const Q4KProblem& p, int64_t m0, const uint8_t* w, in
                                                    _mm256_mul_ps(negative_dmin, _mm256_set1_ps(q.scales[(m0 + m) * q.blocks + s]))));
     }
   }
-  for (int m = 0; m < MB; ++m) {
-    const int64_t index = (m0 + m) * p.N + n0;
-    if (p.out_bf16) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p.out) + index),
-                       _mm256_castsi256_si128(avx512::to_bf16(_mm512_zextps256_ps512(acc[m]))));
-    } else {
-      _mm256_storeu_ps(static_cast<float*>(p.out) + index, acc[m]);
-    }
-  }
+  for (int m = 0; m < MB; ++m) avx2::store8(p.out, (m0 + m) * p.N + n0, acc[m], p.out_bf16);
 }
 
 void q4k_groups(const Q4KProblem& p, int64_t g0, int64_t g1) {

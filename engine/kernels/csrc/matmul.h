@@ -1,4 +1,4 @@
-// The q8 and int4 matmuls on raw pointers, threaded with at::parallel_for: what ops.cpp's operators and
+// The block-layout matmuls on raw pointers, threaded with at::parallel_for: what ops.cpp's operators and
 // decode_step.cpp's fused layers both call. Activations are quantized first (once per call), then the weight
 // groups are split across threads. `out_stride` (default N): the output's row stride, where a layer's part writes
 // its columns of a wider output (the kernels' Problem.N is only ever that stride).
@@ -15,7 +15,6 @@
 namespace tern {
 
 using Int4Groups = void (*)(const Int4Problem&, int64_t, int64_t);
-using Q8Groups = void (*)(const Q8Problem&, int64_t, int64_t);
 using AttentionTasks = void (*)(const AttentionProblem&, int64_t, int64_t);
 
 // Reusable buffers for quantized activations (resized, never shrunk).
@@ -43,41 +42,25 @@ struct QuantizedScratch {
   }
 };
 
-// out [M, N] = x [M, K] @ w.T for a 4-bit weight packed per 8 rows and 32 columns: int4 or q4, as `groups` reads
-// (kernels.h).
-inline void int4_matmul(Int4Groups groups, QuantizedScratch& scratch, const void* x, bool x_bf16, int64_t M,
-                        int64_t K, const uint8_t* w, int64_t N, void* out, int64_t out_stride = 0) {
+// How a kernel wants its activations quantized (kernels.h): per `block` values, with the sums of every 32 (q4k) or
+// 16 (q6k) values' int8s where it reads them.
+struct ActivationBlocks {
+  int64_t block;
+  bool sums32 = false, sums16 = false;
+};
+inline constexpr ActivationBlocks kPer32Activations{kInt4GroupCols};  // int4, q4, q8
+inline constexpr ActivationBlocks kQ4KActivations{kQ4KSuperCols, true, false};
+inline constexpr ActivationBlocks kQ6KActivations{kQ6KSuperCols, false, true};
+
+// out [M, N] = x [M, K] @ w.T for a weight packed per 8 rows (int4, q4, q4k, q6k or q8, as `groups` reads it), its
+// activations quantized as `activations` says.
+inline void block_matmul(Int4Groups groups, ActivationBlocks activations, QuantizedScratch& scratch, const void* x,
+                         bool x_bf16, int64_t M, int64_t K, const uint8_t* w, int64_t N, void* out,
+                         int64_t out_stride = 0) {
   if (M == 0) return;
-  const QuantizedRows q = scratch.quantize(x, x_bf16, M, K, kInt4GroupCols);
+  const QuantizedRows q = scratch.quantize(x, x_bf16, M, K, activations.block, activations.sums32, activations.sums16);
   const Int4Problem p{&q, M, out_stride ? out_stride : N, w, out, x_bf16};
   at::parallel_for(0, N / kInt4GroupRows, 8, [&](int64_t g0, int64_t g1) { groups(p, g0, g1); });
-}
-
-// out [M, N] = x [M, K] @ w.T for a q4k weight (GGUF's Q4_K, kernels.h): activations in blocks of 256 with sums per 32.
-inline void q4k_matmul(Int4Groups groups, QuantizedScratch& scratch, const void* x, bool x_bf16, int64_t M,
-                       int64_t K, const uint8_t* w, int64_t N, void* out, int64_t out_stride = 0) {
-  if (M == 0) return;
-  const QuantizedRows q = scratch.quantize(x, x_bf16, M, K, kQ4KSuperCols, true);
-  const Int4Problem p{&q, M, out_stride ? out_stride : N, w, out, x_bf16};
-  at::parallel_for(0, N / kInt4GroupRows, 8, [&](int64_t g0, int64_t g1) { groups(p, g0, g1); });
-}
-
-// out [M, N] = x [M, K] @ w.T for a q6k weight (GGUF's Q6_K, kernels.h): activations in blocks of 256 with sums per 16.
-inline void q6k_matmul(Int4Groups groups, QuantizedScratch& scratch, const void* x, bool x_bf16, int64_t M,
-                       int64_t K, const uint8_t* w, int64_t N, void* out, int64_t out_stride = 0) {
-  if (M == 0) return;
-  const QuantizedRows q = scratch.quantize(x, x_bf16, M, K, kQ6KSuperCols, false, true);
-  const Int4Problem p{&q, M, out_stride ? out_stride : N, w, out, x_bf16};
-  at::parallel_for(0, N / kInt4GroupRows, 8, [&](int64_t g0, int64_t g1) { groups(p, g0, g1); });
-}
-
-// out [M, N] = x [M, K] @ w.T for an int8 weight with a scale per 32 values, packed per 8 rows and 32 columns.
-inline void q8_matmul(Q8Groups groups, QuantizedScratch& scratch, const void* x, bool x_bf16, int64_t M, int64_t K,
-                      const uint8_t* w, int64_t N, void* out, int64_t out_stride = 0) {
-  if (M == 0) return;
-  const QuantizedRows q = scratch.quantize(x, x_bf16, M, K, kQ8GroupCols);
-  const Q8Problem p{&q, M, out_stride ? out_stride : N, w, out, x_bf16};
-  at::parallel_for(0, N / kQ8GroupRows, 8, [&](int64_t g0, int64_t g1) { groups(p, g0, g1); });
 }
 
 // Consecutive rows whose contexts are prefixes of one another's (a prompt run as decode rows, one position each:

@@ -28,31 +28,25 @@ void check_activations(const at::Tensor& x, const char* op) {
 // w_packed: uint8 [N, K * GroupBytes / 256]: int4, 160 bytes per group of 8 rows and 32 columns ([N, K * 5 / 8]),
 // q4 or q4k, 144 bytes ([N, K * 9 / 16]; q4k: K a multiple of 256, its super-blocks), q6k, 210 bytes on average
 // ([N, K * 105 / 128], K a multiple of 256) (kernels.h).
-template <Int4Groups Groups, int64_t GroupBytes, int64_t Cols = kInt4GroupCols>
+template <Int4Groups Groups, int64_t GroupBytes, const ActivationBlocks& Activations = kPer32Activations>
 at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
   const at::Tensor x = x_in.contiguous();
   check_activations(x, "int4_mm");
   TORCH_CHECK(w_packed.dim() == 2 && w_packed.scalar_type() == at::kByte && w_packed.is_contiguous(),
               "int4_mm: w_packed must be packed uint8 [N, K * ", GroupBytes, " / 256]");
-  const int64_t M = x.size(0), K = x.size(1), N = w_packed.size(0);
+  const int64_t M = x.size(0), K = x.size(1), N = w_packed.size(0), Cols = Activations.block;
   TORCH_CHECK(K % Cols == 0 && N % kInt4GroupRows == 0 &&
                   w_packed.size(1) * kInt4GroupRows * kInt4GroupCols == K * GroupBytes,
               "int4_mm: K must be a multiple of ", Cols, ", N of 8, and w_packed [N, K * ", GroupBytes, " / 256]");
   at::Tensor out = at::empty({M, N}, x.options());
   QuantizedScratch scratch;
-  const bool x_bf16 = x.scalar_type() == at::kBFloat16;
-  if constexpr (GroupBytes == kQ6KGroupBytes) {
-    q6k_matmul(Groups, scratch, x.data_ptr(), x_bf16, M, K, w_packed.data_ptr<uint8_t>(), N, out.data_ptr());
-  } else if constexpr (Cols == kQ4KSuperCols) {
-    q4k_matmul(Groups, scratch, x.data_ptr(), x_bf16, M, K, w_packed.data_ptr<uint8_t>(), N, out.data_ptr());
-  } else {
-    int4_matmul(Groups, scratch, x.data_ptr(), x_bf16, M, K, w_packed.data_ptr<uint8_t>(), N, out.data_ptr());
-  }
+  block_matmul(Groups, Activations, scratch, x.data_ptr(), x.scalar_type() == at::kBFloat16, M, K,
+               w_packed.data_ptr<uint8_t>(), N, out.data_ptr());
   return out;
 }
 
 // w_packed: uint8 [N, K * 17 / 16], 272 bytes per group of 8 rows and 32 columns (kernels.h).
-template <Q8Groups Groups>
+template <Int4Groups Groups>
 at::Tensor q8_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
   const at::Tensor x = x_in.contiguous();
   check_activations(x, "q8_mm");
@@ -63,8 +57,8 @@ at::Tensor q8_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
               "q8_mm: K must be a multiple of 32, N of 8, and w_packed [N, K * 17 / 16]");
   at::Tensor out = at::empty({M, N}, x.options());
   QuantizedScratch scratch;
-  q8_matmul(Groups, scratch, x.data_ptr(), x.scalar_type() == at::kBFloat16, M, K, w_packed.data_ptr<uint8_t>(), N,
-            out.data_ptr());
+  block_matmul(Groups, kPer32Activations, scratch, x.data_ptr(), x.scalar_type() == at::kBFloat16, M, K,
+               w_packed.data_ptr<uint8_t>(), N, out.data_ptr());
   return out;
 }
 
@@ -186,15 +180,15 @@ TORCH_LIBRARY_IMPL(tern, CPU, m) {
   m.impl("gguf_repack", &tern::gguf_repack);
   m.impl("int4_mm_avx2", &tern::int4_mm<tern::int4_groups_avx2, tern::kInt4GroupBytes>);
   m.impl("q4_mm_avx2", &tern::int4_mm<tern::q4_groups_avx2, tern::kQ4GroupBytes>);
-  m.impl("q4k_mm_avx2", &tern::int4_mm<tern::q4k_groups_avx2, tern::kQ4GroupBytes, tern::kQ4KSuperCols>);
-  m.impl("q6k_mm_avx2", &tern::int4_mm<tern::q6k_groups_avx2, tern::kQ6KGroupBytes, tern::kQ6KSuperCols>);
+  m.impl("q4k_mm_avx2", &tern::int4_mm<tern::q4k_groups_avx2, tern::kQ4GroupBytes, tern::kQ4KActivations>);
+  m.impl("q6k_mm_avx2", &tern::int4_mm<tern::q6k_groups_avx2, tern::kQ6KGroupBytes, tern::kQ6KActivations>);
   m.impl("q8_mm_avx2", &tern::q8_mm<tern::q8_groups_avx2>);
   m.impl("decode_attention_avx2", &tern::decode_attention_op<tern::decode_attention_avx2>);
 #ifdef TERN_WITH_AVX512
   m.impl("int4_mm_avx512", &tern::int4_mm<tern::int4_groups_avx512, tern::kInt4GroupBytes>);
   m.impl("q4_mm_avx512", &tern::int4_mm<tern::q4_groups_avx512, tern::kQ4GroupBytes>);
-  m.impl("q4k_mm_avx512", &tern::int4_mm<tern::q4k_groups_avx512, tern::kQ4GroupBytes, tern::kQ4KSuperCols>);
-  m.impl("q6k_mm_avx512", &tern::int4_mm<tern::q6k_groups_avx512, tern::kQ6KGroupBytes, tern::kQ6KSuperCols>);
+  m.impl("q4k_mm_avx512", &tern::int4_mm<tern::q4k_groups_avx512, tern::kQ4GroupBytes, tern::kQ4KActivations>);
+  m.impl("q6k_mm_avx512", &tern::int4_mm<tern::q6k_groups_avx512, tern::kQ6KGroupBytes, tern::kQ6KActivations>);
   m.impl("q8_mm_avx512", &tern::q8_mm<tern::q8_groups_avx512>);
   m.impl("decode_attention_avx512", &tern::decode_attention_op<tern::decode_attention_avx512>);
 #endif
