@@ -15,6 +15,7 @@
 #include "avx2.h"
 #include "avx512.h"
 #include "kernels.h"
+#include "prefetch.h"
 
 #include <immintrin.h>
 
@@ -24,10 +25,6 @@ namespace tern {
 namespace {
 
 constexpr int kTileRows = 8;  // activation rows sharing each weight load
-// Both streams are prefetched 4 blocks (640 bytes) ahead: on a 1B model's decode stack that took the kernel from
-// 22 to ~25 GB/s on a 2-core AVX512 VM (26.5 GB/s streaming read); 2, 8 and 16 blocks did no better. Reading
-// past a row group's end touches the next group's lines, which are read next anyway.
-constexpr int64_t kPrefetchBlocks = 4;
 
 // out[m, rows n0..n0+15] for MB activation rows against groups wa (rows n0..n0+7) and wb (n0+8..n0+15); kQ4: the
 // q4 layout (no minimums), else int4.
@@ -35,16 +32,15 @@ template <bool kQ4, int MB>
 inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, int64_t n0) {
   constexpr int64_t kBytes = kQ4 ? kQ4GroupBytes : kInt4GroupBytes;
   const QuantizedRows& q = *p.x;
+  const int64_t group_stride = q.blocks * kBytes;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t c = 0; c < q.blocks; ++c) {
     const uint8_t* ca = wa + c * kBytes;
     const uint8_t* cb = wb + c * kBytes;
-    for (int line = 0; line < kBytes; line += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(ca + kPrefetchBlocks * kBytes + line), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(cb + kPrefetchBlocks * kBytes + line), _MM_HINT_T0);
-    }
+    prefetch_pair_stream<kBytes>(ca, wa + group_stride, group_stride);
+    prefetch_pair_stream<kBytes>(cb, wb + group_stride, group_stride);
     __m512i dot[MB];
     const int32_t* x[MB];
     for (int m = 0; m < MB; ++m) {
@@ -110,7 +106,7 @@ constexpr int kQ4KTileRows = 8;
 template <int MB>
 inline void q4k_pair_rows(const Q4KProblem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, int64_t n0) {
   const QuantizedRows& q = *p.x;  // blocks of 256: q.blocks super-blocks, q.sums32 (int16) per 32 values
-  const int64_t per_row = q.K / kInt4GroupCols;
+  const int64_t per_row = q.K / kInt4GroupCols, group_stride = q.blocks * kQ4KSuperBytes;
   const __m512i low = _mm512_set1_epi8(0x0F), fifteen = _mm512_set1_epi32(15), three = _mm512_set1_epi32(3);
   alignas(64) float result[MB][16] = {};
   for (int64_t s = 0; s < q.blocks; ++s) {
@@ -122,10 +118,8 @@ inline void q4k_pair_rows(const Q4KProblem& p, int64_t m0, const uint8_t* wa, co
     __m512i isum[MB];
     for (int m = 0; m < MB; ++m) isum[m] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
-      for (int line = 0; line < kQ4GroupBytes; line += 64) {  // in step, kPrefetchBlocks blocks of 144 bytes ahead
-        _mm_prefetch(reinterpret_cast<const char*>(sa + (kPrefetchBlocks + j) * kQ4GroupBytes + line), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(sb + (kPrefetchBlocks + j) * kQ4GroupBytes + line), _MM_HINT_T0);
-      }
+      prefetch_pair_stream<kQ4GroupBytes>(sa + j * kQ4GroupBytes, wa + group_stride, group_stride);  // 8 steps a super-block
+      prefetch_pair_stream<kQ4GroupBytes>(sb + j * kQ4GroupBytes, wb + group_stride, group_stride);
       const __m512i lows = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sa + 64 + 8 * j)),
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 64 + 8 * j))));
@@ -207,8 +201,7 @@ inline void q4k_group_rows(const Q4KProblem& p, int64_t m0, const uint8_t* w, in
     __m256i isum[MB];
     for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
-      for (int line = 0; line < kQ4GroupBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(super + (kPrefetchBlocks + j) * kQ4GroupBytes + line), _MM_HINT_T0);
+      prefetch_near<kQ4GroupBytes>(super + j * kQ4GroupBytes);
       const __m256i lows = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 64 + 8 * j)));
       const __m256i scale = _mm256_or_si256(_mm256_and_si256(lows, fifteen),
                                             _mm256_slli_epi32(_mm256_and_si256(top, three), 4));

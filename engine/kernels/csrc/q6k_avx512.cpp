@@ -7,6 +7,7 @@
 // s_j * dot in integers (vpmulld), and one float step per super-block follows: llama.cpp's Q6_K x Q8_K.
 #include "avx512.h"
 #include "kernels.h"
+#include "prefetch.h"
 #include "q6k_rows.h"
 
 #include <immintrin.h>
@@ -18,7 +19,6 @@ namespace {
 
 constexpr int kTileRows = 8;  // activation rows sharing each weight load
 constexpr int kSingleGroupRows = 2;  // up to this many rows, one group at a time (group_rows)
-using q6k::kPrefetchBytes;  // both groups' streams, as q6k_rows.h steps it
 
 // Nibble register i's 6-bit values, its low and high nibbles: the top bits of an even i sit at bits 0-1 (low) and
 // 2-3 (high) of the top-bit register's bytes, of an odd i at 4-5 and 6-7; each pair goes to bits 4-5.
@@ -41,7 +41,7 @@ inline void six_bits(__m512i packed, __m512i highs, __m512i& lo, __m512i& hi) {
 template <int MB>
 inline void pair_rows(const Q6KProblem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, int64_t n0) {
   const QuantizedRows& q = *p.x;  // blocks of 256: q.blocks super-blocks, q.sums16 (int16) per 16 values
-  const int64_t per_row = q.K / 16;
+  const int64_t per_row = q.K / 16, group_stride = q.blocks * kQ6KSuperBytes;
   alignas(64) float result[MB][16] = {};
   for (int64_t s = 0; s < q.blocks; ++s) {
     const uint8_t* sa = wa + s * kQ6KSuperBytes;
@@ -51,10 +51,8 @@ inline void pair_rows(const Q6KProblem& p, int64_t m0, const uint8_t* wa, const 
     for (int c = 0; c < 8; ++c) {
       const uint8_t* ca = sa + kQ6KHeaderBytes + c * kQ6KBlockBytes;
       const uint8_t* cb = sb + kQ6KHeaderBytes + c * kQ6KBlockBytes;
-      for (int line = 0; line < 256; line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(sa + kPrefetchBytes + c * kQ6KSuperBytes / 8 + line), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(sb + kPrefetchBytes + c * kQ6KSuperBytes / 8 + line), _MM_HINT_T0);
-      }
+      prefetch_pair_stream<kQ6KGroupBytes>(sa + c * kQ6KGroupBytes, wa + group_stride, group_stride);  // as q6k_rows.h
+      prefetch_pair_stream<kQ6KGroupBytes>(sb + c * kQ6KGroupBytes, wb + group_stride, group_stride);
       const int32_t* x[MB];
       for (int m = 0; m < MB; ++m)
         x[m] = reinterpret_cast<const int32_t*>(q.values + (m0 + m) * q.K + s * kQ6KSuperCols + c * 32);

@@ -8,6 +8,7 @@
 // (at most 32 * 255 * 127 before the subtraction).
 #include "avx512.h"
 #include "kernels.h"
+#include "prefetch.h"
 
 #include <immintrin.h>
 
@@ -17,21 +18,19 @@ namespace tern {
 namespace {
 
 constexpr int kTileRows = 8;  // activation rows sharing each weight load
-constexpr int64_t kPrefetchBlocks = 4;  // as the int4 kernel: both streams 4 blocks ahead
 
 // out[m, rows n0..n0+15] for MB activation rows against groups wa (rows n0..n0+7) and wb (n0+8..n0+15).
 template <int MB>
 inline void pair_rows(const Q8Problem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, int64_t n0) {
   const QuantizedRows& q = *p.x;
+  const int64_t group_stride = q.blocks * kQ8GroupBytes;
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t c = 0; c < q.blocks; ++c) {
     const uint8_t* ca = wa + c * kQ8GroupBytes;
     const uint8_t* cb = wb + c * kQ8GroupBytes;
-    for (int line = 0; line < kQ8GroupBytes; line += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(ca + kPrefetchBlocks * kQ8GroupBytes + line), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(cb + kPrefetchBlocks * kQ8GroupBytes + line), _MM_HINT_T0);
-    }
+    prefetch_pair_stream<kQ8GroupBytes>(ca, wa + group_stride, group_stride);
+    prefetch_pair_stream<kQ8GroupBytes>(cb, wb + group_stride, group_stride);
     __m512i dot[MB];
     const int32_t* x[MB];
     for (int m = 0; m < MB; ++m) {
