@@ -5,10 +5,12 @@ the model. Each request's outputs travel back through its own RequestStream.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
 import uuid
+import weakref
 
 from engine import pooling, scoring
 from engine.admission import SequenceFactory, validate_request
@@ -32,6 +34,17 @@ from engine.weights.loader import LoadedModel, load_leaving_a_core
 logger = logging.getLogger(__name__)
 
 _PROMPT_ONLY = SamplingParams(max_tokens=0)  # an embedding request: its prompt is prefilled, nothing is sampled
+
+# Engines whose thread may still run. At interpreter exit Python stops daemon threads where they stand; one inside a
+# C++ step (or OpenMP's wait) then died by std::terminate ("terminate called without an active exception", exit
+# status 134) in a script that never called stop(). Stopping them first lets each thread leave its loop.
+_live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_live_engines() -> None:
+    for engine in list(_live_engines):
+        engine.stop()
 
 
 class Engine:
@@ -57,6 +70,7 @@ class Engine:
 
         self._thread: threading.Thread | None = threading.Thread(target=engine_thread, name="tern-engine", daemon=True)
         self._thread.start()
+        _live_engines.add(self)
         setup_done.wait()
         if setup_failure:
             self._thread = None

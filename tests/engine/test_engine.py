@@ -405,3 +405,24 @@ def test_n_samples_share_the_prompts_cached_blocks(tiny_engine_factory):
     assert all(len(c.token_ids) == 8 for c in completion.choices)
     [again] = engine.generate([prompt], params)  # same seed, now with every block cached: same samples
     assert [c.token_ids for c in again.choices] == [c.token_ids for c in completion.choices]
+
+
+def test_a_script_that_ends_without_stopping_its_engine_exits_cleanly():
+    """A script that ends while its Engine is still decoding, without stop(): the engine is stopped at exit, so
+    Python does not halt its thread inside a step (it used to die by std::terminate, exit status 134)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("from engine import Engine, EngineConfig, SamplingParams\n"
+            "engine = Engine(EngineConfig.serving()).start()\n"
+            "[completion] = engine.generate(['The capital of France is'], SamplingParams(temperature=0, max_tokens=8))\n"
+            "print(completion.choices[0].text, flush=True)\n"
+            "stream = engine.submit('Once upon a time', SamplingParams(max_tokens=500, ignore_eos=True))\n"
+            "next(iter(stream))\n")  # decoding when the script ends
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                              text=True, timeout=300)
+        assert "terminate called" not in done.stderr, done.stderr[-2000:]
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "Paris" in done.stdout
