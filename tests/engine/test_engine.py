@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ from engine import (
 from engine.params import MAX_LOGIT_BIAS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -410,10 +414,6 @@ def test_n_samples_share_the_prompts_cached_blocks(tiny_engine_factory):
 def test_a_script_that_ends_without_stopping_its_engine_exits_cleanly():
     """A script that ends while its Engine is still decoding, without stop(): the engine is stopped at exit, so
     Python does not halt its thread inside a step (it used to die by std::terminate, exit status 134)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     code = ("from engine import Engine, EngineConfig, SamplingParams\n"
             "engine = Engine(EngineConfig.serving()).start()\n"
             "[completion] = engine.generate(['The capital of France is'], SamplingParams(temperature=0, max_tokens=8))\n"
@@ -421,8 +421,7 @@ def test_a_script_that_ends_without_stopping_its_engine_exits_cleanly():
             "stream = engine.submit('Once upon a time', SamplingParams(max_tokens=500, ignore_eos=True))\n"
             "next(iter(stream))\n")  # decoding when the script ends
     for _ in range(3):
-        done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
-                              text=True, timeout=300)
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert "terminate called" not in done.stderr, done.stderr[-2000:]
         assert done.returncode == 0, done.stderr[-2000:]
         assert "Paris" in done.stdout
