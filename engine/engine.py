@@ -144,6 +144,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+            self.runner.stop_compiling()
 
     def drain(self) -> None:
         """Take no new requests from now on (submit() raises DrainingError); those already in run to their end.

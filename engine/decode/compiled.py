@@ -64,6 +64,7 @@ class CompiledDecode:
         self._allocator = allocator
         self._on_done = on_done
         self._done = threading.Event()
+        self._cancelled = threading.Event()
         compiled_forward = compile_forward(model)
         self._blocks = allocator.allocate(min(WARMUP_BLOCKS, allocator.num_free))
         if not in_background:
@@ -97,6 +98,13 @@ class CompiledDecode:
         self._done.wait(timeout_s)
         return self.forward is not None
 
+    def cancel(self) -> None:
+        """End the build at its next batch size and wait for it (a compile under way runs on: torch cannot stop
+        one). Its thread must not outlive the engine: at the interpreter's exit, a daemon thread inside torch
+        aborted the process (std::terminate, exit status 134) when it asked for the GIL back."""
+        self._cancelled.set()
+        self._done.wait()
+
     def free_blocks(self) -> None:
         """Engine thread: give the warm-up's blocks back to the allocator once the build has ended."""
         if self.has_blocks_to_free:
@@ -113,10 +121,13 @@ class CompiledDecode:
         sys.setswitchinterval(min(switch_interval, 1e-4))
         try:
             allow_recompiles()
-            warm_up(compiled_forward, self._blocks)
-            self.forward = compiled_forward
+            if warm_up(compiled_forward, self._blocks, self._cancelled.is_set):
+                self.forward = compiled_forward
         except Exception as exc:
-            logger.warning("compiling the decode step failed, running eager: %s: %s", type(exc).__name__, exc)
+            if self._cancelled.is_set():  # e.g. at exit, where inductor's compile pool refuses new work
+                logger.info("compiling the decode step stopped with the engine (%s)", type(exc).__name__)
+            else:
+                logger.warning("compiling the decode step failed, running eager: %s: %s", type(exc).__name__, exc)
         finally:
             sys.setswitchinterval(switch_interval)
         self._done.set()

@@ -67,6 +67,9 @@ class Runner(Protocol):
     def wait_for_compiled_decode(self, timeout_s: float | None = None) -> bool:
         """Block until a compile of the decode step has ended (at once when none runs); True when it serves."""
 
+    def stop_compiling(self) -> None:
+        """End a compile of the decode step under way (at its next batch size) and wait for its thread."""
+
 
 class ModelRunner:
     """Runs the native model against the paged KV cache on the decode path it is built with. Called from one
@@ -163,20 +166,28 @@ class ModelRunner:
     def wait_for_compiled_decode(self, timeout_s: float | None = None) -> bool:
         return self.compiled is not None and self.compiled.wait(timeout_s)
 
+    def stop_compiling(self) -> None:
+        if self.compiled is not None:
+            self.compiled.cancel()
+
     @torch.inference_mode()
-    def warm_up(self, compiled_forward, block_table: list[int]) -> None:
+    def warm_up(self, compiled_forward, block_table: list[int], cancelled: Callable[[], bool] = lambda: False) -> bool:
         """Compile `compiled_forward` for every batch-size regime by decoding fake sequences whose keys and values
         land in block_table's blocks, which the caller has reserved: so it may run on another thread while this
-        runner serves requests from the rest of the cache."""
+        runner serves requests from the rest of the cache. False when `cancelled` said to stop first."""
         started = time.monotonic()
         sizes = compiled.warmup_batch_sizes(self.max_num_seqs)
         context_len = compiled.warmup_context_len(sizes, self.block_size, len(block_table))
         for size in sizes:
+            if cancelled():
+                logger.info("compiling the decode step stopped: the engine stopped")
+                return False
             seqs = [compiled.WarmupSequence([0] * context_len, context_len - 1, block_table) for _ in range(size)]
             input_ids, positions, meta = self._prepare([(seq, seq.num_computed_tokens, 1) for seq in seqs])
             compiled.mark_dynamic(input_ids, positions, meta)
             compiled_forward(input_ids, positions, self.kv_layers, meta)
         logger.info("compiled the decode step for batch sizes %s in %.1f s", sizes, time.monotonic() - started)
+        return True
 
     def _build_graphs(self, max_model_len: int) -> DecodeGraphs | None:
         """Decode steps padded to (batch, context) buckets and captured in CUDA graphs, of the compiled step when

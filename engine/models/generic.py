@@ -33,6 +33,9 @@ class RecomputeRunner:
     def wait_for_compiled_decode(self, timeout_s: float | None = None) -> bool:
         return False
 
+    def stop_compiling(self) -> None:
+        pass
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepLogits:
         if batch.is_decode:

@@ -4,6 +4,7 @@ the background in blocks it reserves, and serves steps without the engine writin
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 from conftest import build_tiny, cpu_kernels, tiny_config
@@ -110,6 +111,39 @@ def test_a_runner_built_alone_compiles_in_the_background_in_blocks_it_reserves(d
     runner.free_reserved_blocks()  # the engine thread's part: only it touches the allocator
     assert runner.num_reserved_blocks == 0 and allocator.num_free == NUM_BLOCKS
     assert torch.equal(_decode_batch(runner, allocator, list(range(5, 25))), eager_logits)
+
+
+def test_stopping_ends_a_background_compile_at_its_next_batch_size_and_waits_for_its_thread(default_tokenizer,
+                                                                                            monkeypatch):
+    """A script that ends, or a model unloaded, while the decode step compiles: Engine.stop() ends the compile at
+    its next batch size and waits for its thread. Left running, that daemon thread was inside torch when the
+    interpreter finalized, and the process died by std::terminate (exit status 134)."""
+    monkeypatch.setattr(compiled, "compile_forward", lambda model: model.forward)
+    compiling, sizes_built = threading.Event(), []
+    warm_up = ModelRunner.warm_up
+
+    def first_size_held_until_stopped(self, forward, blocks, cancelled):
+        def build_one_size(*args):
+            sizes_built.append(len(args[0]))
+            compiling.set()
+            deadline = time.monotonic() + 60
+            while not cancelled() and time.monotonic() < deadline:  # a compile that outlasts the stop
+                time.sleep(0.01)
+            return forward(*args)
+        return warm_up(self, build_one_size, blocks, cancelled)
+
+    monkeypatch.setattr(ModelRunner, "warm_up", first_size_held_until_stopped)
+    loaded, kv_cache = _loaded(default_tokenizer, cpu_kernels())
+    allocator = BlockAllocator(NUM_BLOCKS)
+    runner = build_runner(EngineConfig(native_decode=False, compile=True, max_num_seqs=4), loaded, kv_cache,
+                          allocator, NUM_BLOCKS * 16, lambda: None)
+    assert compiling.wait(timeout=60) and runner.decode_step == "compiling"
+    runner.stop_compiling()
+    assert not any(thread.name == "tern-compile" for thread in threading.enumerate())
+    assert len(sizes_built) == 1 < len(compiled.warmup_batch_sizes(4))  # the next sizes were not built
+    assert runner.decode_step == "eager"  # ended without a compiled step: the eager one serves
+    runner.free_reserved_blocks()
+    assert allocator.num_free == NUM_BLOCKS
 
 
 def test_a_failed_compile_leaves_the_eager_step_serving_and_frees_its_blocks(default_tokenizer, monkeypatch):
