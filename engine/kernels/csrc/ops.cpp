@@ -27,7 +27,7 @@ void check_activations(const at::Tensor& x, const char* op) {
 
 // w_packed: uint8 [N, K * GroupBytes / 256]: int4, 160 bytes per group of 8 rows and 32 columns ([N, K * 5 / 8]),
 // q4 or q4k, 144 bytes ([N, K * 9 / 16]; q4k: K a multiple of 256, its super-blocks), q6k, 210 bytes on average
-// ([N, K * 105 / 128], K a multiple of 256) (kernels.h).
+// ([N, K * 105 / 128], K a multiple of 256), q5k, 176 bytes ([N, K * 11 / 16], K a multiple of 256) (kernels.h).
 template <Int4Groups Groups, int64_t GroupBytes, const ActivationBlocks& Activations = kPer32Activations>
 at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
   const at::Tensor x = x_in.contiguous();
@@ -152,6 +152,7 @@ TORCH_LIBRARY(tern, m) {
   m.def("int4_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q4_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q4k_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
+  m.def("q5k_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q6k_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q8_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("decode_attention_avx2(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, Tensor context_lens, "
@@ -160,6 +161,7 @@ TORCH_LIBRARY(tern, m) {
   m.def("int4_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q4_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q4k_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
+  m.def("q5k_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q6k_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q8_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("decode_attention_avx512(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, "
@@ -181,6 +183,7 @@ TORCH_LIBRARY_IMPL(tern, CPU, m) {
   m.impl("int4_mm_avx2", &tern::int4_mm<tern::int4_groups_avx2, tern::kInt4GroupBytes>);
   m.impl("q4_mm_avx2", &tern::int4_mm<tern::q4_groups_avx2, tern::kQ4GroupBytes>);
   m.impl("q4k_mm_avx2", &tern::int4_mm<tern::q4k_groups_avx2, tern::kQ4GroupBytes, tern::kQ4KActivations>);
+  m.impl("q5k_mm_avx2", &tern::int4_mm<tern::q5k_groups_avx2, tern::kQ5KGroupBytes, tern::kQ4KActivations>);
   m.impl("q6k_mm_avx2", &tern::int4_mm<tern::q6k_groups_avx2, tern::kQ6KGroupBytes, tern::kQ6KActivations>);
   m.impl("q8_mm_avx2", &tern::q8_mm<tern::q8_groups_avx2>);
   m.impl("decode_attention_avx2", &tern::decode_attention_op<tern::decode_attention_avx2>);
@@ -188,6 +191,7 @@ TORCH_LIBRARY_IMPL(tern, CPU, m) {
   m.impl("int4_mm_avx512", &tern::int4_mm<tern::int4_groups_avx512, tern::kInt4GroupBytes>);
   m.impl("q4_mm_avx512", &tern::int4_mm<tern::q4_groups_avx512, tern::kQ4GroupBytes>);
   m.impl("q4k_mm_avx512", &tern::int4_mm<tern::q4k_groups_avx512, tern::kQ4GroupBytes, tern::kQ4KActivations>);
+  m.impl("q5k_mm_avx512", &tern::int4_mm<tern::q5k_groups_avx512, tern::kQ5KGroupBytes, tern::kQ4KActivations>);
   m.impl("q6k_mm_avx512", &tern::int4_mm<tern::q6k_groups_avx512, tern::kQ6KGroupBytes, tern::kQ6KActivations>);
   m.impl("q8_mm_avx512", &tern::q8_mm<tern::q8_groups_avx512>);
   m.impl("decode_attention_avx512", &tern::decode_attention_op<tern::decode_attention_avx512>);
