@@ -35,7 +35,7 @@ BF16_FLAG = "avx512_bf16"
 
 
 # The `layout` argument of torch.ops.tern.gguf_repack (kernels.h: GgufLayout).
-GGUF_REPACK_LAYOUTS = {"q8": 0, "int4": 1, "q4": 2, "q4k": 3, "q6k": 4}
+GGUF_REPACK_LAYOUTS = {"q8": 0, "int4": 1, "q4": 2, "q4k": 3, "q6k": 4, "q5k": 5}
 
 
 class KernelsUnavailable(RuntimeError):

@@ -151,13 +151,11 @@ class GgufFile:
                layout: str | None = None) -> torch.Tensor:
         """The tensor in its layout's bytes (layouts.pack_int4, pack_q4, pack_q4k, pack_q5k, pack_q6k or pack_q8;
         `layout` "int4" puts q4 blocks in int4's, exactly, and q4k ones with their scales rounded to fp16), straight
-        from its blocks: with the kernel library's `repack` (CpuKernels.gguf_repack) where given and it has the
-        layout (GGUF_REPACK_LAYOUTS: not q5k), else with gguf_blocks' torch twin; written into `out` where given (a
-        fused projection's rows of this part)."""
+        from its blocks: with the kernel library's `repack` (CpuKernels.gguf_repack) where given, else with
+        gguf_blocks' torch twin; written into `out` where given (a fused projection's rows of this part)."""
         tensor = self._tensors[name]
         layout = layout or self.layout(name)
-        # A new tensor or `out`: the bytes read are done with when it returns.
-        if repack is not None and layout in GGUF_REPACK_LAYOUTS:
+        if repack is not None:  # a new tensor or `out`: the bytes read are done with when it returns
             return repack(self.raw(name, num_heads, scratch=True), int(tensor.tensor_type), self.shape(name)[1],
                           GGUF_REPACK_LAYOUTS[layout], out)
         return _into(GGUF_TYPES[tensor.tensor_type].repack_into(layout)(self.raw(name, num_heads)), out)

@@ -133,7 +133,7 @@ struct AttentionProblem {
 void decode_attention_avx2(const AttentionProblem& p, int64_t task0, int64_t task1);
 
 // A GGUF matrix's raw blocks ([rows, gguf_row_bytes(type, cols)], ggml type ids) into Tern's int4 layout (Q4_0,
-// Q4_1, Q4_K: gguf_has_int4), q4 layout (Q4_0 as it is), q4k layout (Q4_K as it is), q6k layout (Q6_K as it is) or q8 layout (Q8_0 as it is; Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
+// Q4_1, Q4_K: gguf_has_int4), q4 layout (Q4_0 as it is), q4k layout (Q4_K as it is), q5k layout (Q5_K as it is), q6k layout (Q6_K as it is) or q8 layout (Q8_0 as it is; Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
 // Q5_K, Q6_K, F16, BF16, F32 re-quantized per 32 values as quant.quantize_q8 does), groups of 8 rows [g0, g1)
 // (gguf_repack_avx2.cpp).
 struct GgufRepack {
@@ -142,15 +142,17 @@ struct GgufRepack {
   int64_t cols;
   uint8_t* out;
 };
-enum class GgufLayout : int64_t { kQ8 = 0, kInt4 = 1, kQ4 = 2, kQ4K = 3, kQ6K = 4 };  // the `layout` argument of torch.ops.tern.gguf_repack
+enum class GgufLayout : int64_t { kQ8 = 0, kInt4 = 1, kQ4 = 2, kQ4K = 3, kQ6K = 4, kQ5K = 5 };  // the `layout` argument of torch.ops.tern.gguf_repack
 int64_t gguf_row_bytes(int type, int64_t cols);  // -1: a type this file does not read
 bool gguf_has_int4(int type);
 bool gguf_has_q4(int type);  // Q4_0
 bool gguf_has_q4k(int type);  // Q4_K
+bool gguf_has_q5k(int type);  // Q5_K
 bool gguf_has_q6k(int type);  // Q6_K
 void gguf_int4_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void gguf_q4_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void gguf_q4k_groups(const GgufRepack& p, int64_t g0, int64_t g1);
+void gguf_q5k_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void gguf_q6k_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void gguf_q8_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void decode_attention_avx512(const AttentionProblem& p, int64_t task0, int64_t task1);

@@ -214,7 +214,7 @@ def test_the_kernel_librarys_repacking_gives_its_plain_twins_bytes(ggml_type, pa
     rows, cols = 40, 1024
     raw = torch.from_numpy(blocks_of(ggml_type, rows, cols, seed=5).copy())
     kind = GGUF_TYPES[ggml_type]
-    if kind.layout in ("int4", "q4", "q4k", "q6k"):
+    if kind.layout in ("int4", "q4", "q4k", "q5k", "q6k"):
         assert torch.equal(repack(raw, int(ggml_type), cols, GGUF_REPACK_LAYOUTS[kind.layout]), kind.repack(raw))
     if kind.layout in ("q4", "q4k"):  # Q4_0 and Q4_K also into int4, beside int4 parts of a fused layer
         assert torch.equal(repack(raw, int(ggml_type), cols, GGUF_REPACK_LAYOUTS["int4"]), kind.repack_into("int4")(raw))
