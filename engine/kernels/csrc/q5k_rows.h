@@ -1,5 +1,6 @@
 // The q5k matmul's loop over one group of 8 weight rows in 256-bit registers (kernels.h: q5k), written once for the
-// AVX2 kernel (q5k_avx2.cpp) and the AVX512 one (q5k_avx512.cpp). `Isa` supplies the two steps that differ: a nibble
+// AVX2 kernel (q5k_avx2.cpp: every row count) and the AVX512 one (q5k_avx512.cpp: one or two rows, and the odd group
+// its pair loop leaves). `Isa` supplies the two steps that differ: a nibble
 // register's 5-bit values (five_bits) and the integer dot of 4 activation bytes with them (dot); both give the same
 // integers, so both kernels give the same bits. The scales, minimums and float steps are q4k's (int4_avx2.cpp:
 // q4k_group_rows): per super-block the dots, each row's isum += s_j * dot_j in integers and one float step; then the

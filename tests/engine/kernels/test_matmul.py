@@ -128,8 +128,8 @@ def test_q6k_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", ROWS)
 def test_q5k_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows):
-    """GGUF's Q5_K in its own 176 bytes per 256 values: q4k's integers and float steps on 5-bit values (one group
-    of 8 rows at a time on both paths; odd and even group counts)."""
+    """GGUF's Q5_K in its own 176 bytes per 256 values: q4k's integers and float steps on 5-bit values (one and
+    two rows take AVX512's one-group loop, more rows its two-group one; odd group counts the one-group loop)."""
     q5k_mm = require(path_kernels.q5k_mm, "q5k")
     for n, k in [(8, 256), (24, 512), (112, 768), (576, 1536)]:
         x, parts = _q5k_case(rows, n, k, dtype, seed=rows)
