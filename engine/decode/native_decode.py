@@ -4,8 +4,8 @@ On a small CPU a decode step run from Python, even compiled, spends about as lon
 wrapper and the dispatcher as in its matmuls (the default model: ~4-5 of ~10 ms a token on 2 cores). The native
 step runs the layers with Tern's kernels in one call, so a token costs its matmuls and attention plus the
 embedding, the final norm and the lm_head. It serves Llama-family models whose linear layers are packed q8 or
-4-bit (int4, q4, q4k), 5-bit (q5k) or 6-bit (q6k) weights, in float32 on a CPU with a kernel path; elsewhere `unsupported_reason` says why and torch.compile
-(or the eager model) serves. The eager model is its twin: the same steps, the tests hold it to the same tokens.
+4-bit (int4, q4, q4k), 5-bit (q5k) or 6-bit (q6k) weights, in float32 on a CPU with a kernel path; elsewhere
+`unsupported_reason` says why and torch.compile (or the eager model) serves. The eager model is its twin: the same steps, the tests hold it to the same tokens.
 """
 from __future__ import annotations
 

@@ -163,8 +163,8 @@ def pack_q5k(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, d: tor
     q4k = pack_q4k(q & 0x0F, scale, minimum, d, dmin).reshape(groups, supers, Q4K_SUPER_BYTES)
     # [group, row, block, register k, low/high, t] -> byte [group, block, row, t], bit k + 4 * (low/high)
     fifth = (q >> 4).to(torch.int32).reshape(groups, INT4_GROUP_ROWS, blocks, 4, 2, 4)
-    shifts = (torch.arange(4, dtype=torch.int32).reshape(4, 1) + 4 * torch.arange(2, dtype=torch.int32)).reshape(4, 2, 1)
-    fifth = (fifth << shifts).sum((3, 4), dtype=torch.int32).to(torch.uint8).permute(0, 2, 1, 3)
+    shifts = torch.arange(4, dtype=torch.int32).reshape(4, 1) + 4 * torch.arange(2, dtype=torch.int32)  # [k, low/high]
+    fifth = (fifth << shifts.reshape(4, 2, 1)).sum((3, 4), dtype=torch.int32).to(torch.uint8).permute(0, 2, 1, 3)
     nibbles = q4k[..., Q5K_HEADER_BYTES:].reshape(groups, supers, 8, 128)
     sub_blocks = torch.cat([nibbles, fifth.reshape(groups, supers, 8, 32)], dim=-1).reshape(groups, supers, -1)
     return torch.cat([q4k[..., :Q5K_HEADER_BYTES], sub_blocks], dim=-1).reshape(rows, cols * 11 // 16)

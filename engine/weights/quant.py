@@ -181,9 +181,9 @@ def quantize(model: nn.Module, mode: str, device: torch.device, dtype: torch.dty
 
 
 def pack_for_cpu(model: nn.Module, kernels: CpuKernels) -> None:
-    """Swap every plain q8 / int4 / q4 / q4k / q5k / q6k layer (and, where the CPU has AVX512-BF16, every bf16 nn.Linear)
-    whose shape fits for its packed twin holding `kernels`' operator; without a kernel, 4-bit layers go to aten's
-    int4pack and q8, q5k and q6k ones to per-row int8 for aten's int8pack.
+    """Swap every plain q8 / int4 / q4 / q4k / q5k / q6k layer (and, where the CPU has AVX512-BF16, every bf16
+    nn.Linear) whose shape fits for its packed twin holding `kernels`' operator; without a kernel, 4-bit layers go
+    to aten's int4pack and q8, q5k and q6k ones to per-row int8 for aten's int8pack.
     Tied layers keep sharing one matrix. Logs how many matrices each kernel serves."""
     counts: dict[str, int] = {}
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -232,7 +232,8 @@ def pack_for_cpu(model: nn.Module, kernels: CpuKernels) -> None:
             setattr(parent, name, new)
             counts[type(new).__name__] = counts.get(type(new).__name__, 0) + 1
     embedding = _input_embedding(model)
-    if isinstance(embedding, (Q8Embedding, Q5KEmbedding, Q6KEmbedding)) and id(embedding.weight_packed) in per_row:  # tied: one matrix
+    block_embedding = isinstance(embedding, (Q8Embedding, Q5KEmbedding, Q6KEmbedding))
+    if block_embedding and id(embedding.weight_packed) in per_row:  # tied: one matrix still
         _replace(model, embedding, Int8Embedding(*per_row[id(embedding.weight_packed)], embedding.padding_idx))
     if isinstance(embedding, nn.Embedding) and embedding.weight.data_ptr() in bf16_packed:
         _replace(model, embedding, PackedBf16Embedding(bf16_packed[embedding.weight.data_ptr()], embedding.padding_idx))

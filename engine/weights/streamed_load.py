@@ -213,7 +213,8 @@ class _LayerBuilder:
             linear.bias = nn.Parameter(bias, requires_grad=False)
         return linear
 
-    _LAYOUT_LAYERS = {"q4": Q4Linear, "q4k": Q4KLinear, "q5k": Q5KLinear, "q6k": Q6KLinear, "int4": Int4Linear, "q8": Q8Linear}
+    _LAYOUT_LAYERS = {"q4": Q4Linear, "q4k": Q4KLinear, "q5k": Q5KLinear, "q6k": Q6KLinear, "int4": Int4Linear,
+                      "q8": Q8Linear}
 
     def _split(self, names: list[str], bias: torch.Tensor | None) -> SplitLinear:
         """Parts held in different layouts (under `auto`): each run of parts of one layout stacked in its own layer,

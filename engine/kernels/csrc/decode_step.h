@@ -5,8 +5,8 @@
 // the generated wrapper and the dispatcher took ~4-5 ms of a ~10 ms token on 2 cores, while the matmuls took ~4.5.
 // Here a step is one call: per layer RMSNorm, the qkv matmul (+ bias), Qwen3's q/k norms, RoPE, the new keys
 // and values into the paged cache, decode attention, the o matmul and residual, RMSNorm, gate_up, SiLU * up, down
-// and residual; matmuls and attention use the kernels of kernels.h (q8, int4, q4, q4k, q5k or q6k weights). Activations are
-// float32. The math is the eager model's (engine/models/llama.py), step for step and without fused multiply-adds,
+// and residual; matmuls and attention use the kernels of kernels.h (q8, int4, q4, q4k, q5k or q6k weights).
+// Activations are float32. The math is the eager model's (engine/models/llama.py), step for step and without fused multiply-adds,
 // so the two differ only in summation order; the tests hold it to the eager model's tokens.
 #pragma once
 
@@ -121,7 +121,8 @@ class DecodeStep : public torch::CustomClassHolder {
                             weight == WeightKind::kQ8 ? bytes * 16 / 17 :
                             weight == WeightKind::kQ5K ? bytes * 16 / 11 :
                             weight == WeightKind::kQ6K ? bytes * 128 / 105 : bytes * 16 / 9;
-          TORCH_CHECK(K % part.activations.block == 0, "DecodeStep: a weight's K must be a multiple of its activation blocks (256: q4k, q5k, q6k)");
+          TORCH_CHECK(K % part.activations.block == 0,
+                      "DecodeStep: a weight's K must be a multiple of its activation blocks (256: q4k, q5k, q6k)");
           TORCH_CHECK(i == 0 || K == linear->K, "DecodeStep: a linear layer's parts take one input width");
           linear->K = K;
           linear->N += part.N;

@@ -331,8 +331,10 @@ void q5k_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
           for (int w = 0; w < 4; ++w) std::memcpy(block + 32 * w + 4 * r, &words[w], 4);
           for (int t = 0; t < 4; ++t) {
             uint8_t fifth = 0;
-            for (int k = 0; k < 4; ++k)
-              fifth |= static_cast<uint8_t>(((qh[8 * k + t] >> j) & 1) << k | ((qh[8 * k + 4 + t] >> j) & 1) << (4 + k));
+            for (int k = 0; k < 4; ++k) {
+              const int low = (qh[8 * k + t] >> j) & 1, high = (qh[8 * k + 4 + t] >> j) & 1;
+              fifth |= static_cast<uint8_t>(low << k | high << (4 + k));
+            }
             block[128 + 4 * r + t] = fifth;
           }
         }

@@ -49,7 +49,8 @@ inline void pair_rows(const Q5KProblem& p, int64_t m0, const uint8_t* wa, const 
     __m512i isum[MB];
     for (int m = 0; m < MB; ++m) isum[m] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
-      prefetch_pair_stream<kQ5KGroupBytes>(sa + j * kQ5KGroupBytes, wa + group_stride, group_stride);  // 8 steps a super-block
+      // 8 steps a super-block, as q5k_rows.h's
+      prefetch_pair_stream<kQ5KGroupBytes>(sa + j * kQ5KGroupBytes, wa + group_stride, group_stride);
       prefetch_pair_stream<kQ5KGroupBytes>(sb + j * kQ5KGroupBytes, wb + group_stride, group_stride);
       const __m512i lows = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sa + 64 + 8 * j)),
