@@ -4,8 +4,8 @@ On a small CPU a decode step run from Python, even compiled, spends about as lon
 wrapper and the dispatcher as in its matmuls (the default model: ~4-5 of ~10 ms a token on 2 cores). The native
 step runs the layers with Tern's kernels in one call, so a token costs its matmuls and attention plus the
 embedding, the final norm and the lm_head. It serves Llama-family models whose linear layers are packed q8 or
-4-bit (int4, q4, q4k) or 6-bit (q6k) weights, in float32 on a CPU with a kernel path; elsewhere `unsupported_reason` says why and torch.compile
-(or the eager model) serves. The eager model is its twin: the same steps, the tests hold it to the same tokens.
+4-bit (int4, q4, q4k), 5-bit (q5k) or 6-bit (q6k) weights, in float32 on a CPU with a kernel path; elsewhere
+`unsupported_reason` says why and torch.compile (or the eager model) serves. The eager model is its twin: the same steps, the tests hold it to the same tokens.
 """
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ import torch
 
 from engine.kernels import CpuKernels
 from engine.kv_cache import KVCache
-from engine.weights.layers import (PackedInt4Linear, PackedQ4KLinear, PackedQ4Linear, PackedQ6KLinear, PackedQ8Linear,
-                                   SplitLinear)
+from engine.weights.layers import (PackedInt4Linear, PackedQ4KLinear, PackedQ4Linear, PackedQ5KLinear, PackedQ6KLinear,
+                                   PackedQ8Linear, SplitLinear)
 from engine.models.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
 
 # The packed layers the step multiplies, by the number decode_step.h's WeightKind gives each.
-WEIGHT_KINDS = {PackedQ8Linear: 0, PackedInt4Linear: 1, PackedQ4Linear: 2, PackedQ4KLinear: 3, PackedQ6KLinear: 4}
+WEIGHT_KINDS = {PackedQ8Linear: 0, PackedInt4Linear: 1, PackedQ4Linear: 2, PackedQ4KLinear: 3, PackedQ6KLinear: 4,
+                PackedQ5KLinear: 5}
 
 
 def unsupported_reason(model, kv_cache: KVCache, kernels: CpuKernels, dtype: torch.dtype) -> str | None:
@@ -39,7 +40,8 @@ def unsupported_reason(model, kv_cache: KVCache, kernels: CpuKernels, dtype: tor
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             for part in _parts(linear):
                 if type(part) not in WEIGHT_KINDS:
-                    return f"its linear layers must be packed q8, int4, q4, q4k or q6k weights ({type(part).__name__} here)"
+                    return (f"its linear layers must be packed q8, int4, q4, q4k, q5k or q6k weights "
+                            f"({type(part).__name__} here)")
     return None
 
 

@@ -35,11 +35,13 @@ ISA_FLAGS = {
 KERNEL_SOURCES = {
     "quantize_avx2.cpp": "avx2",
     "int4_avx2.cpp": "avx2",
+    "q5k_avx2.cpp": "avx2",
     "q6k_avx2.cpp": "avx2",
     "q8_avx2.cpp": "avx2",
     "decode_attention_avx2.cpp": "avx2",
     "gguf_repack_avx2.cpp": "avx2",
     "int4_avx512.cpp": "avx512",
+    "q5k_avx512.cpp": "avx512",
     "q6k_avx512.cpp": "avx512",
     "q8_avx512.cpp": "avx512",
     "decode_attention_avx512.cpp": "avx512",

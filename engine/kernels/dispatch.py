@@ -35,7 +35,7 @@ BF16_FLAG = "avx512_bf16"
 
 
 # The `layout` argument of torch.ops.tern.gguf_repack (kernels.h: GgufLayout).
-GGUF_REPACK_LAYOUTS = {"q8": 0, "int4": 1, "q4": 2, "q4k": 3, "q6k": 4}
+GGUF_REPACK_LAYOUTS = {"q8": 0, "int4": 1, "q4": 2, "q4k": 3, "q6k": 4, "q5k": 5}
 
 
 class KernelsUnavailable(RuntimeError):
@@ -54,6 +54,7 @@ class CpuKernels:
     # (x [M, K], layouts.pack_q4k weight) -> [M, N]. AVX512 only: on AVX2 its batches measured 1.2-1.3x int4's time
     # (fewer rows a tile for want of registers), so Q4_K goes into int4 there (engine/kernels/README.md)
     q4k_mm: Callable | None = None
+    q5k_mm: Callable | None = None  # (x [M, K], layouts.pack_q5k weight) -> [M, N]
     q6k_mm: Callable | None = None  # (x [M, K], layouts.pack_q6k weight) -> [M, N]
     bf16_mm: Callable | None = None  # (x [M, K] bf16, layouts.pack_bf16 weight) -> [M, N] bf16
     decode_attention: Callable | None = None  # (q, k_cache, v_cache, context_slots, context_lens, scale)
@@ -150,7 +151,8 @@ def kernels_for(path: str, cache_dir: Path, reason: str = "") -> CpuKernels:
     bf16 = getattr(ops, "bf16_mm_avx512", None) if path == "avx512" and BF16_FLAG in cpu_flags() else None
     return CpuKernels(path, reason or "asked for", q8_mm=getattr(ops, f"q8_mm_{path}"),
                       int4_mm=getattr(ops, f"int4_mm_{path}"), q4_mm=getattr(ops, f"q4_mm_{path}"),
-                      q4k_mm=ops.q4k_mm_avx512 if path == "avx512" else None, q6k_mm=getattr(ops, f"q6k_mm_{path}"),
+                      q4k_mm=ops.q4k_mm_avx512 if path == "avx512" else None, q5k_mm=getattr(ops, f"q5k_mm_{path}"),
+                      q6k_mm=getattr(ops, f"q6k_mm_{path}"),
                       bf16_mm=bf16,
                       decode_attention=getattr(ops, f"decode_attention_{path}"), gguf_repack=ops.gguf_repack)
 
@@ -203,7 +205,8 @@ def _register_fakes() -> None:
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
     for names, shape in ((("q8_mm_avx2", "q8_mm_avx512", "int4_mm_avx2", "int4_mm_avx512", "q4_mm_avx2", "q4_mm_avx512",
-                           "q4k_mm_avx2", "q4k_mm_avx512", "q6k_mm_avx2", "q6k_mm_avx512", "bf16_mm_avx512"),
+                           "q4k_mm_avx2", "q4k_mm_avx512", "q5k_mm_avx2", "q5k_mm_avx512",
+                           "q6k_mm_avx2", "q6k_mm_avx512", "bf16_mm_avx512"),
                           matmul_shape),
                          (("decode_attention_avx2", "decode_attention_avx512"), attention_shape)):
         for name in names:

@@ -18,6 +18,12 @@ Kernels read weights in the order they use them, so a thread streams one sequent
   its nibbles (128 bytes), then two 32-byte registers of top bits: register a's byte 4r + t holds at bits 2k, 2k + 1
   the top 2 bits of the value whose low bits are nibble register 2a + k // 2's byte 4r + t (low nibble for even k,
   high for odd). Shape uint8 [N, K * 105 / 128]: a Q6_K file's own 210 bytes per 256 values.
+- q5k (GGUF's Q5_K: Q4_K with a fifth bit per value, w = (d * s_j) * q - dmin * m_j, q in 0..31): per group of 8
+  rows and super-block, 1408 bytes: q4k's 128 header bytes, then per sub-block of 32 columns 160 bytes: q's low 4
+  bits as int4 lays out its nibbles (128 bytes), then 32 bytes of fifth bits: byte 4r + t holds at bit k that of
+  the value in nibble register k's byte 4r + t low nibble, at bit 4 + k that of its high nibble, so that a shift
+  and an and/or (one vpternlogd) put a register's fifth bits beside its nibbles. Shape uint8 [N, K * 11 / 16]: a
+  Q5_K file's own 176 bytes per 256 values.
 - q8 (GGUF's Q8_0: w = d * q, q int8, one fp16 d per 32 values of a row): per group of 8 rows and 32 columns,
   272 bytes: 256 bytes of q + 128 (register j of 32 bytes holds, for each row r at bytes 4r..4r+3, columns
   4j..4j+3), then the 8 rows' fp16 scales d. Shape uint8 [N, K * 17 / 16].
@@ -141,6 +147,56 @@ def q4k_as_int4(packed: torch.Tensor) -> torch.Tensor:
     q, *parts = unpack_q4k(packed)
     d, m = q4k_scales(*parts)
     return pack_int4(q, d.to(torch.float16), m.to(torch.float16))
+
+
+Q5K_SUPER_BYTES, Q5K_HEADER_BYTES = 1408, 128  # per group of 8 rows and super-block; q4k's header
+
+
+def pack_q5k(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, d: torch.Tensor,
+             dmin: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] in 0..31, scale and minimum [N, K/32] in 0..63, d and dmin fp16 [N, K/256]
+    (w = (d * scale) * q - dmin * minimum) -> uint8 [N, K * 11 / 16]: q4k's bytes of the low 4 bits, each
+    sub-block's 128 bytes of nibbles followed by its 32 bytes of fifth bits."""
+    rows, cols = q.shape
+    groups, supers, blocks = rows // INT4_GROUP_ROWS, cols // Q4K_SUPER_COLS, cols // INT4_GROUP_COLS
+    q = q.to(torch.uint8)
+    q4k = pack_q4k(q & 0x0F, scale, minimum, d, dmin).reshape(groups, supers, Q4K_SUPER_BYTES)
+    # [group, row, block, register k, low/high, t] -> byte [group, block, row, t], bit k + 4 * (low/high)
+    fifth = (q >> 4).to(torch.int32).reshape(groups, INT4_GROUP_ROWS, blocks, 4, 2, 4)
+    shifts = torch.arange(4, dtype=torch.int32).reshape(4, 1) + 4 * torch.arange(2, dtype=torch.int32)  # [k, low/high]
+    fifth = (fifth << shifts.reshape(4, 2, 1)).sum((3, 4), dtype=torch.int32).to(torch.uint8).permute(0, 2, 1, 3)
+    nibbles = q4k[..., Q5K_HEADER_BYTES:].reshape(groups, supers, 8, 128)
+    sub_blocks = torch.cat([nibbles, fifth.reshape(groups, supers, 8, 32)], dim=-1).reshape(groups, supers, -1)
+    return torch.cat([q4k[..., :Q5K_HEADER_BYTES], sub_blocks], dim=-1).reshape(rows, cols * 11 // 16)
+
+
+def unpack_q5k(packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The inverse of `pack_q5k`: (q uint8 [N, K] in 0..31, scale and minimum uint8 [N, K/32], d and dmin fp16
+    [N, K/256])."""
+    rows, cols = packed.shape[0], packed.shape[1] * 16 // 11
+    groups, supers, blocks = rows // INT4_GROUP_ROWS, cols // Q4K_SUPER_COLS, cols // INT4_GROUP_COLS
+    data = packed.reshape(groups, supers, Q5K_SUPER_BYTES)
+    sub_blocks = data[..., Q5K_HEADER_BYTES:].reshape(groups, supers, 8, 160)
+    q4k = torch.cat([data[..., :Q5K_HEADER_BYTES], sub_blocks[..., :128].reshape(groups, supers, -1)], dim=-1)
+    low, *parts = unpack_q4k(q4k.reshape(rows, cols * 9 // 16))
+    fifth = sub_blocks[..., 128:].reshape(groups, blocks, 1, 1, INT4_GROUP_ROWS, 4).to(torch.int32)
+    shifts = (torch.arange(4, dtype=torch.int32).reshape(4, 1) + 4 * torch.arange(2, dtype=torch.int32))
+    fifth = (fifth >> shifts.reshape(1, 1, 4, 2, 1, 1)) & 1  # [group, block, register k, low/high, row, t]
+    fifth = fifth.permute(0, 4, 1, 2, 3, 5).reshape(rows, cols).to(torch.uint8)
+    return (low | (fifth << 4), *parts)
+
+
+def dequantize_q5k(packed: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K]: (d * scale) * q - dmin * minimum, the weight a q5k matrix stands for (gguf's values)."""
+    q, *parts = unpack_q5k(packed)
+    d, m = q4k_scales(*parts)
+    rows, cols = q.shape
+    return (q.float().reshape(rows, -1, INT4_GROUP_COLS) * d.unsqueeze(-1) + m.unsqueeze(-1)).reshape(rows, cols)
+
+
+def q5k_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a `pack_q5k` matrix de-quantized to float32 [*ids.shape, K] (a Q5_K embedding's lookup)."""
+    return _block_rows(packed, ids, dequantize_q5k)
 
 
 Q6K_SUPER_COLS, Q6K_SUPER_BYTES, Q6K_SUB_COLS = 256, 1680, 16

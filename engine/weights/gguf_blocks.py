@@ -14,6 +14,10 @@ package's reference de-quantizers read them; the tests hold every repacking to t
 - `int4` (Tern's 4-bit layout, layouts.pack_int4: per 32 values of a row, w = d * q + m with fp16 d and m):
   Q4_1 (exact); Q4_K where no q4k kernel serves it, or where a fused projection joins it to Q4_0 or Q4_1 parts:
   per sub-block of 32 as d = super_d * scale and m = -super_dmin * min, both products rounded to fp16.
+- `q5k` (layouts.pack_q5k: Q4_K's super-block with a fifth bit per value): Q5_K, exact, in the file's own
+  176 bytes per 256 values, where the kernel path has a q5k kernel (AVX2 and AVX512); its kernels multiply as
+  llama.cpp's Q5_K x Q8_K (q4k's arithmetic on 5-bit values). Elsewhere (the `off` path), and where a fused
+  projection joins it to parts of another type, Q5_K is de-quantized and goes into q8 (`dequantize` below).
 - `q6k` (layouts.pack_q6k: per super-block of 256 values of a row an fp16 d, per 16 an int8 scale): Q6_K, exact,
   in the file's own 210 bytes per 256 values, where the kernel path has a q6k kernel (AVX2 and AVX512); its kernels
   multiply as llama.cpp's Q6_K x Q8_K. Elsewhere (the `off` path), and where a fused projection joins it to parts
@@ -23,9 +27,9 @@ package's reference de-quantizers read them; the tests hold every repacking to t
   file's own d). Q4_0 goes into q8 exactly the same way where a fused projection joins it to q8 parts.
 - `dequantize`: read as float32 one tensor at a time with `gguf`'s own reference, then handled as a checkpoint's
   float weight is (norms, biases; a linear layer gets the mode's quantization: under `auto` and `int8` q8,
-  re-quantized per 32 values, quant.quantize_q8). F32, F16, BF16 are exact this way; Q5_1, Q5_K and Q6_K where no q6k kernel serves it
-  (5 or 6 bits with a minimum or nested scales) round to the nearest of q8's 255 levels per 32 values: an error of
-  at most half a step of absmax / 127, a fraction of their own step.
+  re-quantized per 32 values, quant.quantize_q8). F32, F16, BF16 are exact this way; Q5_1, and Q5_K and Q6_K where
+  no q5k or q6k kernel serves them (5 or 6 bits with a minimum or nested scales), round to the nearest of q8's 255
+  levels per 32 values: an error of at most half a step of absmax / 127, a fraction of their own step.
 """
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ Q8Parts = tuple[torch.Tensor, torch.Tensor]  # q int8 [N, K], d fp16 [N, K/32]
 
 @dataclass(frozen=True)
 class GgufType:
-    layout: str  # "int4", "q4", "q4k", "q6k", "q8" or "dequantize"
+    layout: str  # "int4", "q4", "q4k", "q5k", "q6k", "q8" or "dequantize"
     repack: Callable[[torch.Tensor], torch.Tensor] | None = None  # uint8 [rows, bytes per row] -> the layout's bytes
     plain: Callable[[torch.Tensor], tuple] | None = None  # the same as the layout's parts: the twin tests hold it to
     int4: Callable[[torch.Tensor], torch.Tensor] | None = None  # a q4 type's blocks into int4 (a fused layer's parts)
@@ -231,6 +235,26 @@ def q4_k_packed(blocks: torch.Tensor) -> torch.Tensor:
     return _pack_words(words.reshape(rows, supers * 8, 4), scale, minimum)
 
 
+def q5_k_to_q5k(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q5_K: 176 bytes per 256 values: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and minimums (as Q4_K's), 32
+    bytes qh of fifth bits, 128 bytes of nibbles (as Q4_K's); per sub-block j of 32, w = (d * scale_j) * q -
+    (dmin * min_j) with q in 0..31: Tern's q5k as it is, (q [N, K], scale and min uint8 [N, K/32], d and dmin fp16
+    [N, K/256]). Value l of sub-block j has its fifth bit at qh[l]'s bit j."""
+    b = _split(blocks, 176)
+    rows, supers = b.shape[:2]
+    sc, mn = q4_k_scales_mins(b[..., 4:16])
+    qh = b[..., 16:48].reshape(rows, supers, 1, 32)
+    qs = b[..., 48:176].reshape(rows, supers, 4, 32)
+    low = torch.stack([qs & 0x0F, qs >> 4], dim=3).reshape(rows, supers, 8, 32)  # sub-block 2c + h
+    fifth = (qh >> torch.arange(8, dtype=torch.uint8).reshape(8, 1)) & 1  # [rows, supers, j, 32]
+    return ((low | (fifth << 4)).reshape(rows, -1), sc.to(torch.uint8).reshape(rows, -1),
+            mn.to(torch.uint8).reshape(rows, -1), _fp16(b[..., 0:2]), _fp16(b[..., 2:4]))
+
+
+def q5_k_packed_q5k(blocks: torch.Tensor) -> torch.Tensor:
+    return layouts.pack_q5k(*q5_k_to_q5k(blocks))
+
+
 def q6_k_to_q6k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q6_K: 210 bytes per 256 values: 128 bytes of low nibbles, 64 of top 2 bits, 16 int8 scales, fp16 d; per
     sub-block j of 16, w = (d * scale_j) * (q - 32): Tern's q6k as it is, (q uint8 [N, K] in 0..63, scale int8
@@ -279,7 +303,7 @@ GGUF_TYPES: dict[T, GgufType] = {
     T.Q5_0: GgufType("q8", q5_0_packed, q5_0_to_q8),
     T.Q5_1: GgufType("dequantize"),
     T.Q8_0: GgufType("q8", q8_0_packed, q8_0_to_q8),
-    T.Q5_K: GgufType("dequantize"),
+    T.Q5_K: GgufType("q5k", q5_k_packed_q5k, q5_k_to_q5k),
     T.Q6_K: GgufType("q6k", q6_k_packed_q6k, q6_k_to_q6k),
 }
 

@@ -142,17 +142,17 @@ class GgufFile:
         return list(self._tensors)
 
     def layout(self, name: str) -> str | None:
-        """The Tern layout the file's blocks of this tensor go into as they are ("int4", "q4", "q4k", "q8"), or
-        None."""
+        """The Tern layout the file's blocks of this tensor go into as they are ("int4", "q4", "q4k", "q5k", "q6k",
+        "q8"), or None."""
         layout = GGUF_TYPES[self._tensors[name].tensor_type].layout
         return None if layout == "dequantize" else layout
 
     def packed(self, name: str, num_heads: int | None = None, repack=None, out: torch.Tensor | None = None,
                layout: str | None = None) -> torch.Tensor:
-        """The tensor in its layout's bytes (layouts.pack_int4, pack_q4, pack_q4k or pack_q8; `layout` "int4" puts
-        q4 blocks in int4's, exactly, and q4k ones with their scales rounded to fp16), straight from its blocks: with the kernel library's `repack` (CpuKernels.gguf_repack)
-        where given, else with gguf_blocks' torch twin; written into `out` where given (a fused projection's rows of
-        this part)."""
+        """The tensor in its layout's bytes (layouts.pack_int4, pack_q4, pack_q4k, pack_q5k, pack_q6k or pack_q8;
+        `layout` "int4" puts q4 blocks in int4's, exactly, and q4k ones with their scales rounded to fp16), straight
+        from its blocks: with the kernel library's `repack` (CpuKernels.gguf_repack) where given, else with
+        gguf_blocks' torch twin; written into `out` where given (a fused projection's rows of this part)."""
         tensor = self._tensors[name]
         layout = layout or self.layout(name)
         if repack is not None:  # a new tensor or `out`: the bytes read are done with when it returns

@@ -126,6 +126,19 @@ class PackedQ4KLinear(_KernelForward, Q4KLinear):
     super-block's scales and minimums applied in integers)."""
 
 
+class Q5KLinear(_BlockLinear):
+    """5-bit weights in GGUF's Q5_K form, (d * scale) * q - dmin * min as Q4_K's with q in 0..31, held in
+    layouts.pack_q5k's layout: a Q5_K file's own bytes and values."""
+
+    PACKED_BYTES = (11, 16)
+    dequantize = staticmethod(layouts.dequantize_q5k)
+
+
+class PackedQ5KLinear(_KernelForward, Q5KLinear):
+    """Q5KLinear multiplied by Tern's q5k kernel (llama.cpp's Q5_K x Q8_K: activations quantized per 256 values,
+    each super-block's scales and minimums applied in integers)."""
+
+
 class Q6KLinear(_BlockLinear):
     """6-bit weights in GGUF's Q6_K form, (d * scale) * (q - 32) with an int8 scale per 16 values and an fp16 d per
     256, held in layouts.pack_q6k's layout: a Q6_K file's own bytes and values."""
@@ -153,8 +166,8 @@ class PackedQ8Linear(_KernelForward, Q8Linear):
 
 class SplitLinear(nn.Module):
     """A fused projection (qkv, gate/up) whose parts a file holds in different layouts, e.g. a Q4_K_M file's q and k
-    in Q4_K beside v in Q6_K: each run of parts in its own layer and bytes (one layout for all would widen the 4-bit
-    and 6-bit ones to q8), the outputs side by side. The native decode step runs the parts into one output."""
+    in Q4_K beside v in Q6_K: each run of parts in its own layer and bytes (one layout for all would widen the 4-bit,
+    5-bit and 6-bit ones to q8), the outputs side by side. The native decode step runs the parts into one output."""
 
     def __init__(self, parts: list[nn.Module], bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -202,6 +215,11 @@ class Q4Embedding(_BlockEmbedding):
 class Q4KEmbedding(_BlockEmbedding):
     PACKED_BYTES = Q4KLinear.PACKED_BYTES
     rows = staticmethod(layouts.q4k_rows)
+
+
+class Q5KEmbedding(_BlockEmbedding):
+    PACKED_BYTES = Q5KLinear.PACKED_BYTES
+    rows = staticmethod(layouts.q5k_rows)
 
 
 class Q6KEmbedding(_BlockEmbedding):

@@ -115,6 +115,7 @@ def load(config: EngineConfig, repack_threads: int | None = None) -> LoadedModel
             repack = _on_threads(repack, repack_threads)
         model = streamed_load.build_model(source, hf_config, config.quantization, build_dtype, device, repack,
                                           q4k=cpu_kernels.q4k_mm is not None,
+                                          q5k=cpu_kernels.q5k_mm is not None,
                                           q6k=cpu_kernels.q6k_mm is not None)
     elif is_native:
         model = _load_native(folder, hf_config, build_dtype, device)

@@ -45,10 +45,13 @@ from engine.weights.layers import (
     PackedInt4Linear,
     PackedQ4KLinear,
     PackedQ4Linear,
+    PackedQ5KLinear,
     PackedQ6KLinear,
     PackedQ8Linear,
     Q4KLinear,
     Q4Linear,
+    Q5KEmbedding,
+    Q5KLinear,
     Q6KEmbedding,
     Q6KLinear,
     Q8Embedding,
@@ -178,9 +181,9 @@ def quantize(model: nn.Module, mode: str, device: torch.device, dtype: torch.dty
 
 
 def pack_for_cpu(model: nn.Module, kernels: CpuKernels) -> None:
-    """Swap every plain q8 / int4 / q4 / q4k / q6k layer (and, where the CPU has AVX512-BF16, every bf16 nn.Linear) whose shape
-    fits for its packed twin holding `kernels`' operator; without a kernel, 4-bit layers go to aten's int4pack
-    and q8 and q6k ones to per-row int8 for aten's int8pack.
+    """Swap every plain q8 / int4 / q4 / q4k / q5k / q6k layer (and, where the CPU has AVX512-BF16, every bf16
+    nn.Linear) whose shape fits for its packed twin holding `kernels`' operator; without a kernel, 4-bit layers go
+    to aten's int4pack and q8, q5k and q6k ones to per-row int8 for aten's int8pack.
     Tied layers keep sharing one matrix. Logs how many matrices each kernel serves."""
     counts: dict[str, int] = {}
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -208,13 +211,16 @@ def pack_for_cpu(model: nn.Module, kernels: CpuKernels) -> None:
                 as_int4 = layouts.q4k_as_int4(child.weight_packed)
                 new = (PackedInt4Linear(as_int4, child.bias, kernels.int4_mm) if kernels.int4_mm
                        else AtenInt4Linear(as_int4, child.bias))
-        elif type(child) is Q6KLinear and kernels.q6k_mm:
-            new = PackedQ6KLinear(child.weight_packed, child.bias, kernels.q6k_mm)
-        elif type(child) is Q6KLinear:  # no q6k kernel: per-row int8 for aten's op, as q8 without its kernel
-            key = id(child.weight_packed)
-            if key not in per_row:
-                per_row[key] = quantize_int8(layouts.dequantize_q6k(child.weight_packed), dtype)
-            new = Int8Linear(*per_row[key], child.bias)
+        elif type(child) in (Q5KLinear, Q6KLinear):
+            packed, kernel = ((PackedQ5KLinear, kernels.q5k_mm) if type(child) is Q5KLinear
+                              else (PackedQ6KLinear, kernels.q6k_mm))
+            if kernel:
+                new = packed(child.weight_packed, child.bias, kernel)
+            else:  # no kernel for the layout: per-row int8 for aten's op, as q8 without its kernel
+                key = id(child.weight_packed)
+                if key not in per_row:
+                    per_row[key] = quantize_int8(child.dequantize(child.weight_packed), dtype)
+                new = Int8Linear(*per_row[key], child.bias)
         elif (type(child) is nn.Linear and kernels.bf16_mm and child.weight.dtype == torch.bfloat16
               and layouts.can_pack_bf16(child.weight)):
             key = child.weight.data_ptr()
@@ -226,7 +232,8 @@ def pack_for_cpu(model: nn.Module, kernels: CpuKernels) -> None:
             setattr(parent, name, new)
             counts[type(new).__name__] = counts.get(type(new).__name__, 0) + 1
     embedding = _input_embedding(model)
-    if isinstance(embedding, (Q8Embedding, Q6KEmbedding)) and id(embedding.weight_packed) in per_row:  # tied: one matrix
+    block_embedding = isinstance(embedding, (Q8Embedding, Q5KEmbedding, Q6KEmbedding))
+    if block_embedding and id(embedding.weight_packed) in per_row:  # tied: one matrix still
         _replace(model, embedding, Int8Embedding(*per_row[id(embedding.weight_packed)], embedding.padding_idx))
     if isinstance(embedding, nn.Embedding) and embedding.weight.data_ptr() in bf16_packed:
         _replace(model, embedding, PackedBf16Embedding(bf16_packed[embedding.weight.data_ptr()], embedding.padding_idx))

@@ -2,7 +2,7 @@
 it: a GGUF file (engine/gguf_file.GgufFile) or a Hugging Face safetensors folder (engine/weights/safetensors_folder.py).
 
 Under `auto`, `int4` and `int8` on a CPU the source's tensors decide: a tensor held in one of Tern's layouts already
-(a GGUF's Q4_0 blocks as q4, Q4_K as q4k, Q6_K as q6k, Q4_1 as int4, Q8_0 as q8: engine/gguf_blocks.GGUF_TYPES) goes into it without
+(a GGUF's Q4_0 blocks as q4, Q4_K as q4k, Q5_K as q5k, Q6_K as q6k, Q4_1 as int4, Q8_0 as q8: engine/gguf_blocks.GGUF_TYPES) goes into it without
 passing through float; the rest is read as float32 a few thousand rows at a time and quantized to q8 (int8 per 32 values,
 quant.quantize_q8). `auto` keeps each tensor's own width; `int8` makes everything q8 (4-bit blocks de-quantized
 first); `int4` also quantizes float tensors to 4-bit, as it does for any checkpoint. A fused projection (qkv,
@@ -13,7 +13,7 @@ and quant.quantize runs after, as for any checkpoint. Either way no whole-model 
 the served weights plus about one tensor in float32.
 
 A source answers: path, reading() (a context the whole load runs in), names(), `in`, shape(name), type_name(name),
-layout(name) ("int4", "q4", "q4k", "q6k", "q8" or None), packed(name, heads, repack, out, layout) (the tensor in that
+layout(name) ("int4", "q4", "q4k", "q5k", "q6k", "q8" or None), packed(name, heads, repack, out, layout) (the tensor in that
 layout's bytes, or in int4's for a q4 or q4k tensor), q8(name, heads, repack) (the matrix in q8's, re-quantized where the type's
 levels are not int8's), float(name, heads) and float_rows(name, heads); `repack` is the kernel
 library's GGUF repacking (CpuKernels.gguf_repack, None without it) and `heads`
@@ -34,7 +34,7 @@ from engine.errors import ModelLoadError
 from engine.kernels import layouts
 from engine.weights.layers import (
     Int4Embedding, Int4Linear, Int8Embedding, Int8Linear, Q4Embedding, Q4KEmbedding, Q4KLinear, Q4Linear,
-    Q6KEmbedding, Q6KLinear, Q8Embedding, Q8Linear, SplitLinear,
+    Q5KEmbedding, Q5KLinear, Q6KEmbedding, Q6KLinear, Q8Embedding, Q8Linear, SplitLinear,
 )
 from engine.models import NATIVE_MODELS
 
@@ -42,13 +42,13 @@ logger = logging.getLogger(__name__)
 
 
 def build_model(source, hf_config, mode: str, dtype: torch.dtype, device: torch.device, repack=None,
-                q4k: bool = False, q6k: bool = False) -> nn.Module:
+                q4k: bool = False, q5k: bool = False, q6k: bool = False) -> nn.Module:
     """The native model for hf_config.model_type with every weight read from `source`. In quant.KERNEL_MODES on a
     CPU its linear layers are already Int4Linear/Int8Linear (quant.pack_for_cpu packs them next); otherwise they are
     nn.Linear in `dtype`. Every layer the model has is built from the tensors of its name, or of the checkpoint
     layers it fuses (the model's fused_from: qkv_proj from q_proj, k_proj and v_proj). `q4k`: the kernel path has a
-    q4k kernel (CpuKernels.q4k_mm), so Q4_K blocks are served as they are; else in int4. `q6k`: the same for Q6_K
-    blocks (CpuKernels.q6k_mm); else they go into q8."""
+    q4k kernel (CpuKernels.q4k_mm), so Q4_K blocks are served as they are; else in int4. `q5k`, `q6k`: the same for
+    Q5_K and Q6_K blocks (CpuKernels.q5k_mm, q6k_mm); else they go into q8."""
     with torch.device("meta"):
         model = NATIVE_MODELS[hf_config.model_type](hf_config)
     places = set(model.state_dict())
@@ -57,7 +57,7 @@ def build_model(source, hf_config, mode: str, dtype: torch.dtype, device: torch.
         raise ModelLoadError(f"{source.path}: tensors a {hf_config.model_type} model has no place for: {unknown[:5]}")
     model.fuse_projections()
     quantized = mode in quant.KERNEL_MODES and device.type == "cpu"
-    builder = _LayerBuilder(source, hf_config, mode if quantized else "none", dtype, repack, q4k, q6k)
+    builder = _LayerBuilder(source, hf_config, mode if quantized else "none", dtype, repack, q4k, q5k, q6k)
     with source.reading():
         for name, module in list(model.named_modules()):
             if isinstance(module, nn.Linear) and name != "lm_head":
@@ -81,8 +81,9 @@ def served_mode(model: nn.Module) -> str:
 
 class _LayerBuilder:
     def __init__(self, source, hf_config, mode: str, dtype: torch.dtype, repack=None, q4k: bool = False,
-                 q6k: bool = False) -> None:
-        self.source, self.mode, self.dtype, self.repack, self.q4k, self.q6k = source, mode, dtype, repack, q4k, q6k
+                 q5k: bool = False, q6k: bool = False) -> None:
+        self.source, self.mode, self.dtype, self.repack, self.q4k = source, mode, dtype, repack, q4k
+        self.q5k, self.q6k = q5k, q6k
         self.tied = getattr(hf_config, "tie_word_embeddings", False) or "lm_head.weight" not in source
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = hf_config.num_key_value_heads
@@ -111,10 +112,10 @@ class _LayerBuilder:
 
     def _layout(self, name: str) -> str | None:
         """The layout the source's blocks of this tensor go into as they are: q4k only where a kernel serves it
-        (its batches are slower than int4's on AVX2: engine/kernels/README.md), else Q4_K goes into int4; q6k only
-        where a kernel serves it, else none (Q6_K is re-quantized into q8)."""
+        (its batches are slower than int4's on AVX2: engine/kernels/README.md), else Q4_K goes into int4; q5k and
+        q6k only where a kernel serves them, else none (Q5_K and Q6_K are re-quantized into q8)."""
         layout = self.source.layout(name)
-        if layout == "q6k" and not self.q6k:
+        if (layout == "q5k" and not self.q5k) or (layout == "q6k" and not self.q6k):
             return None
         return "int4" if layout == "q4k" and not self.q4k else layout
 
@@ -184,6 +185,8 @@ class _LayerBuilder:
             return Q4Linear(self._stacked(names, cols * 9 // 16, self._packed), bias)
         if self.mode in ("auto", "int4") and all(self._held_as(n, "q4k") for n in names):
             return Q4KLinear(self._stacked(names, cols * 9 // 16, self._packed), bias)
+        if self.mode == "auto" and all(self._held_as(n, "q5k") for n in names):  # int4 narrows it, int8 widens it
+            return Q5KLinear(self._stacked(names, cols * 11 // 16, self._packed), bias)
         if self.mode == "auto" and all(self._held_as(n, "q6k") for n in names):  # int4 narrows it, int8 widens it
             return Q6KLinear(self._stacked(names, cols * 105 // 128, self._packed), bias)
         four_bit = ("int4", "q4", "q4k")
@@ -210,7 +213,8 @@ class _LayerBuilder:
             linear.bias = nn.Parameter(bias, requires_grad=False)
         return linear
 
-    _LAYOUT_LAYERS = {"q4": Q4Linear, "q4k": Q4KLinear, "q6k": Q6KLinear, "int4": Int4Linear, "q8": Q8Linear}
+    _LAYOUT_LAYERS = {"q4": Q4Linear, "q4k": Q4KLinear, "q5k": Q5KLinear, "q6k": Q6KLinear, "int4": Int4Linear,
+                      "q8": Q8Linear}
 
     def _split(self, names: list[str], bias: torch.Tensor | None) -> SplitLinear:
         """Parts held in different layouts (under `auto`): each run of parts of one layout stacked in its own layer,
@@ -252,6 +256,11 @@ class _LayerBuilder:
             model.model.embed_tokens = Q4KEmbedding(packed)
             if tied:
                 model.lm_head = Q4KLinear(packed, None)
+        elif self._held_as(embedding_name, "q5k") and self.mode == "auto":
+            packed = self._packed(embedding_name)
+            model.model.embed_tokens = Q5KEmbedding(packed)
+            if tied:
+                model.lm_head = Q5KLinear(packed, None)
         elif self._held_as(embedding_name, "q6k") and self.mode == "auto":
             packed = self._packed(embedding_name)
             model.model.embed_tokens = Q6KEmbedding(packed)

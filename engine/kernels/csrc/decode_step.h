@@ -5,8 +5,8 @@
 // the generated wrapper and the dispatcher took ~4-5 ms of a ~10 ms token on 2 cores, while the matmuls took ~4.5.
 // Here a step is one call: per layer RMSNorm, the qkv matmul (+ bias), Qwen3's q/k norms, RoPE, the new keys
 // and values into the paged cache, decode attention, the o matmul and residual, RMSNorm, gate_up, SiLU * up, down
-// and residual; matmuls and attention use the kernels of kernels.h (q8, int4, q4, q4k or q6k weights). Activations are
-// float32. The math is the eager model's (engine/models/llama.py), step for step and without fused multiply-adds,
+// and residual; matmuls and attention use the kernels of kernels.h (q8, int4, q4, q4k, q5k or q6k weights).
+// Activations are float32. The math is the eager model's (engine/models/llama.py), step for step and without fused multiply-adds,
 // so the two differ only in summation order; the tests hold it to the eager model's tokens.
 #pragma once
 
@@ -26,7 +26,7 @@ namespace tern {
 namespace {
 
 // What a linear layer's packed weight holds; the numbers are engine/decode/native_decode.py's WEIGHT_KINDS.
-enum class WeightKind : int64_t { kQ8 = 0, kInt4 = 1, kQ4 = 2, kQ4K = 3, kQ6K = 4 };
+enum class WeightKind : int64_t { kQ8 = 0, kInt4 = 1, kQ4 = 2, kQ4K = 3, kQ6K = 4, kQ5K = 5 };
 
 // One run of a linear layer's output rows in one packed weight, with the kernel that reads its layout and how that
 // kernel wants its activations (chosen once, when the step is built).
@@ -66,16 +66,16 @@ class DecodeStep : public torch::CustomClassHolder {
              std::vector<at::Tensor> tensors, std::vector<int64_t> kinds)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(static_cast<float>(eps)) {
     TORCH_CHECK(head_dim % 16 == 0, "DecodeStep: head_dim must be a multiple of 16");
-    // Per WeightKind (q8, int4, q4, q4k, q6k): the kernel of this instruction set.
-    Int4Groups kernels[5];
+    // Per WeightKind (q8, int4, q4, q4k, q6k, q5k): the kernel of this instruction set.
+    Int4Groups kernels[6];
     if (isa == "avx2") {
       kernels[0] = q8_groups_avx2, kernels[1] = int4_groups_avx2, kernels[2] = q4_groups_avx2;
-      kernels[3] = q4k_groups_avx2, kernels[4] = q6k_groups_avx2;
+      kernels[3] = q4k_groups_avx2, kernels[4] = q6k_groups_avx2, kernels[5] = q5k_groups_avx2;
       attention_ = decode_attention_avx2;
 #ifdef TERN_WITH_AVX512
     } else if (isa == "avx512") {
       kernels[0] = q8_groups_avx512, kernels[1] = int4_groups_avx512, kernels[2] = q4_groups_avx512;
-      kernels[3] = q4k_groups_avx512, kernels[4] = q6k_groups_avx512;
+      kernels[3] = q4k_groups_avx512, kernels[4] = q6k_groups_avx512, kernels[5] = q5k_groups_avx512;
       attention_ = decode_attention_avx512;
 #endif
     } else {
@@ -104,22 +104,25 @@ class DecodeStep : public torch::CustomClassHolder {
         TORCH_CHECK(!linear->bias.defined() || linear->bias.scalar_type() == at::kFloat, "DecodeStep: float32 biases");
         for (int64_t i = 0; i < num_parts; ++i) {
           const int64_t kind = next_kind();
-          TORCH_CHECK(kind >= 0 && kind <= 4, "DecodeStep: weight kinds are 0 (q8), 1 (int4), 2 (q4), 3 (q4k), 4 (q6k)");
+          TORCH_CHECK(kind >= 0 && kind <= 5,
+                      "DecodeStep: weight kinds are 0 (q8), 1 (int4), 2 (q4), 3 (q4k), 4 (q6k), 5 (q5k)");
           const WeightKind weight = static_cast<WeightKind>(kind);
           Part part;
           part.packed = next_tensor();
           TORCH_CHECK(part.packed.scalar_type() == at::kByte && part.packed.is_contiguous() && part.packed.dim() == 2,
                       "DecodeStep: packed weights must be contiguous uint8");
           part.groups = kernels[kind];
-          part.activations = weight == WeightKind::kQ4K ? kQ4KActivations :
+          part.activations = weight == WeightKind::kQ4K || weight == WeightKind::kQ5K ? kQ4KActivations :
                              weight == WeightKind::kQ6K ? kQ6KActivations : kPer32Activations;
           part.N = part.packed.size(0);
-          // per row: K * 5 / 8 int4, K * 9 / 16 q4 and q4k, K * 105 / 128 q6k, K * 17 / 16 q8
+          // per row: K * 5 / 8 int4, K * 9 / 16 q4 and q4k, K * 11 / 16 q5k, K * 105 / 128 q6k, K * 17 / 16 q8
           const int64_t bytes = part.packed.size(1);
           const int64_t K = weight == WeightKind::kInt4 ? bytes * 8 / 5 :
                             weight == WeightKind::kQ8 ? bytes * 16 / 17 :
+                            weight == WeightKind::kQ5K ? bytes * 16 / 11 :
                             weight == WeightKind::kQ6K ? bytes * 128 / 105 : bytes * 16 / 9;
-          TORCH_CHECK(K % part.activations.block == 0, "DecodeStep: a weight's K must be a multiple of its activation blocks (256: q4k, q6k)");
+          TORCH_CHECK(K % part.activations.block == 0,
+                      "DecodeStep: a weight's K must be a multiple of its activation blocks (256: q4k, q5k, q6k)");
           TORCH_CHECK(i == 0 || K == linear->K, "DecodeStep: a linear layer's parts take one input width");
           linear->K = K;
           linear->N += part.N;

@@ -1,6 +1,6 @@
 // GGUF blocks into Tern's layouts at load time (kernels.h: gguf_int4_groups, gguf_q4_groups, gguf_q4k_groups,
-// gguf_q6k_groups, gguf_q8_groups): the C++ twins of engine/weights/gguf_blocks.py's torch repacking (int4: Q4_0, Q4_1,
-// Q4_K; q4: Q4_0; q4k: Q4_K; q6k: Q6_K) and of gguf's numpy de-quantizer followed by
+// gguf_q5k_groups, gguf_q6k_groups, gguf_q8_groups): the C++ twins of engine/weights/gguf_blocks.py's torch repacking
+// (int4: Q4_0, Q4_1, Q4_K; q4: Q4_0; q4k: Q4_K; q5k: Q5_K; q6k: Q6_K) and of gguf's numpy de-quantizer followed by
 // quant.quantize_q8 (q8: Q8_0 as it is, Q4_0 and Q5_0 levels as they are; Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, F16, BF16,
 // F32 re-quantized per 32 values).
 // Bit for bit the same bytes: the float steps are numpy's and torch's, in their order, with no fused multiply-add
@@ -50,10 +50,10 @@ inline uint32_t word_at(const uint8_t* p) {
 
 constexpr uint32_t kLowNibbles = 0x0F0F0F0Fu;
 
-// Sub-block j (32 values) of a Q4_K super-block as int4's 4 register words: each 32 bytes of the super-block's
-// nibbles hold sub-block 2c (low) and 2c + 1 (high).
-inline void q4_k_words(const uint8_t* super, int j, uint32_t* words) {
-  const uint8_t* qs = super + 16 + 32 * (j / 2);
+// Sub-block j (32 values) of a K-quant super-block's nibbles (Q4_K's 16 bytes into its block, Q5_K's 48) as int4's
+// 4 register words: each 32 bytes of nibbles hold sub-block 2c (low) and 2c + 1 (high).
+inline void k_quant_words(const uint8_t* nibbles, int j, uint32_t* words) {
+  const uint8_t* qs = nibbles + 32 * (j / 2);
   for (int w = 0; w < 4; ++w) {
     const uint32_t first = word_at(qs + 8 * w), second = word_at(qs + 8 * w + 4);
     words[w] = j % 2 == 0 ? (first & kLowNibbles) | ((second & kLowNibbles) << 4)
@@ -83,7 +83,7 @@ inline void int4_block(const uint8_t* row, int64_t b, uint32_t* words, uint16_t&
     const int j = static_cast<int>(b % 8);
     int scale, minimum;
     k_scale_min(block + 4, j, scale, minimum);
-    q4_k_words(block, j, words);
+    k_quant_words(block + 16, j, words);
     d = float_to_half(half_to_float(block) * static_cast<float>(scale));
     m = float_to_half(-(half_to_float(block + 2) * static_cast<float>(minimum)));
   }
@@ -250,6 +250,8 @@ bool gguf_has_q4(int type) { return type == kQ4_0; }
 
 bool gguf_has_q4k(int type) { return type == kQ4_K; }
 
+bool gguf_has_q5k(int type) { return type == kQ5_K; }
+
 bool gguf_has_q6k(int type) { return type == kQ6_K; }
 
 namespace {
@@ -294,8 +296,47 @@ void q4k_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
           top |= static_cast<uint32_t>(scale >> 4) << (2 * j) | static_cast<uint32_t>(minimum >> 4) << (16 + 2 * j);
           out[64 + 8 * j + r] = static_cast<uint8_t>((scale & 0x0F) | ((minimum & 0x0F) << 4));
           uint32_t words[4];
-          q4_k_words(super, j, words);  // the nibbles only: q4k keeps the scales as they are
+          k_quant_words(super + 16, j, words);  // the nibbles only: q4k keeps the scales as they are
           for (int w = 0; w < 4; ++w) std::memcpy(out + 128 + 128 * j + 32 * w + 4 * r, &words[w], 4);
+        }
+        std::memcpy(out + 32 + 4 * r, &top, 4);
+      }
+    }
+  }
+}
+
+// Q5_K super-blocks as they are (layouts.pack_q5k): q4k's bytes of the same scales, minimums and nibbles (Q5_K's
+// nibbles lie 48 bytes into its 176, Q4_K's 16 into its 144), each sub-block's nibbles followed by its 32 bytes of
+// fifth bits: byte 4r + t, bit k the fifth bit of nibble register k's low nibble there (column 8k + t), bit 4 + k
+// that of its high nibble (column 8k + 4 + t). The file keeps value l of sub-block j's fifth bit at qh[l]'s bit j.
+void q5k_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
+  const int64_t stride = row_bytes(kQ5_K, p.cols), supers = p.cols / kQ4KSuperCols;
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t s = 0; s < supers; ++s) {
+      uint8_t* out = p.out + (g * supers + s) * kQ5KSuperBytes;
+      for (int r = 0; r < kInt4GroupRows; ++r) {
+        const uint8_t* super = p.raw + (g * kInt4GroupRows + r) * stride + s * 176;
+        const uint8_t* qh = super + 16;
+        std::memcpy(out + 2 * r, super, 2);
+        std::memcpy(out + 16 + 2 * r, super + 2, 2);
+        uint32_t top = 0;
+        for (int j = 0; j < 8; ++j) {
+          int scale, minimum;
+          k_scale_min(super + 4, j, scale, minimum);
+          top |= static_cast<uint32_t>(scale >> 4) << (2 * j) | static_cast<uint32_t>(minimum >> 4) << (16 + 2 * j);
+          out[64 + 8 * j + r] = static_cast<uint8_t>((scale & 0x0F) | ((minimum & 0x0F) << 4));
+          uint8_t* block = out + kQ5KHeaderBytes + kQ5KBlockBytes * j;
+          uint32_t words[4];
+          k_quant_words(super + 48, j, words);
+          for (int w = 0; w < 4; ++w) std::memcpy(block + 32 * w + 4 * r, &words[w], 4);
+          for (int t = 0; t < 4; ++t) {
+            uint8_t fifth = 0;
+            for (int k = 0; k < 4; ++k) {
+              const int low = (qh[8 * k + t] >> j) & 1, high = (qh[8 * k + 4 + t] >> j) & 1;
+              fifth |= static_cast<uint8_t>(low << k | high << (4 + k));
+            }
+            block[128 + 4 * r + t] = fifth;
+          }
         }
         std::memcpy(out + 32 + 4 * r, &top, 4);
       }
@@ -399,6 +440,10 @@ void gguf_q4_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
 
 void gguf_q4k_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
   if (p.type == kQ4_K) q4k_groups(p, g0, g1);
+}
+
+void gguf_q5k_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
+  if (p.type == kQ5_K) q5k_groups(p, g0, g1);
 }
 
 void gguf_q6k_groups(const GgufRepack& p, int64_t g0, int64_t g1) {

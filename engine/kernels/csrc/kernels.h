@@ -67,6 +67,20 @@ constexpr int64_t kQ4KSuperCols = 256, kQ4KSuperBytes = 1152;
 void q4k_groups_avx2(const Q4KProblem& p, int64_t g0, int64_t g1);
 void q4k_groups_avx512(const Q4KProblem& p, int64_t g0, int64_t g1);
 
+// 5-bit weights in GGUF's Q5_K form: Q4_K's super-block with a fifth bit per value (w = (d * s_j) * q - dmin * m_j,
+// q in 0..31), held in the file's own 176 bytes per 256 values. Per group of 8 rows and super-block, 1408 bytes:
+// q4k's 128 header bytes (the rows' d and dmin, the scales' and minimums' top and low bits), then per sub-block j
+// of 32 columns 160 bytes: its 128 bytes of nibbles in int4's order, then 32 bytes of fifth bits: byte 4r + t holds
+// at bit k the fifth bit of nibble register k's byte 4r + t low nibble, at bit 4 + k that of its high nibble
+// (engine/kernels/layouts.py: pack_q5k), so one shift and an and/or (one vpternlogd) join a register's fifth bits to
+// its nibbles. The arithmetic is q4k's (llama.cpp's Q5_K x Q8_K) on values 0..31: the same activations (blocks of
+// 256, sums32), isum = sum_j s_j * dot_j (exact: at most 64M) and msum, and the same two float steps.
+using Q5KProblem = Int4Problem;
+constexpr int64_t kQ5KSuperBytes = 1408, kQ5KHeaderBytes = 128, kQ5KBlockBytes = 160;
+constexpr int64_t kQ5KGroupBytes = 176;  // per 8 rows and 32 columns on average: a row of K values is K * 11 / 16 bytes
+void q5k_groups_avx2(const Q5KProblem& p, int64_t g0, int64_t g1);
+void q5k_groups_avx512(const Q5KProblem& p, int64_t g0, int64_t g1);
+
 // 6-bit weights in GGUF's Q6_K form: per super-block of 256 values of a row an fp16 d, and per sub-block j of 16 an
 // int8 scale s_j (w = d * s_j * (q - 32), q in 0..63), held in the file's own 210 bytes per 256 values. Per group
 // of 8 rows and super-block, 1680 bytes: the 8 rows' fp16 d, then 128 bytes of scales (byte 8j + row: sub-block j's
@@ -119,7 +133,7 @@ struct AttentionProblem {
 void decode_attention_avx2(const AttentionProblem& p, int64_t task0, int64_t task1);
 
 // A GGUF matrix's raw blocks ([rows, gguf_row_bytes(type, cols)], ggml type ids) into Tern's int4 layout (Q4_0,
-// Q4_1, Q4_K: gguf_has_int4), q4 layout (Q4_0 as it is), q4k layout (Q4_K as it is), q6k layout (Q6_K as it is) or q8 layout (Q8_0 as it is; Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
+// Q4_1, Q4_K: gguf_has_int4), q4 layout (Q4_0 as it is), q4k layout (Q4_K as it is), q5k layout (Q5_K as it is), q6k layout (Q6_K as it is) or q8 layout (Q8_0 as it is; Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
 // Q5_K, Q6_K, F16, BF16, F32 re-quantized per 32 values as quant.quantize_q8 does), groups of 8 rows [g0, g1)
 // (gguf_repack_avx2.cpp).
 struct GgufRepack {
@@ -128,15 +142,17 @@ struct GgufRepack {
   int64_t cols;
   uint8_t* out;
 };
-enum class GgufLayout : int64_t { kQ8 = 0, kInt4 = 1, kQ4 = 2, kQ4K = 3, kQ6K = 4 };  // the `layout` argument of torch.ops.tern.gguf_repack
+enum class GgufLayout : int64_t { kQ8 = 0, kInt4 = 1, kQ4 = 2, kQ4K = 3, kQ6K = 4, kQ5K = 5 };  // the `layout` argument of torch.ops.tern.gguf_repack
 int64_t gguf_row_bytes(int type, int64_t cols);  // -1: a type this file does not read
 bool gguf_has_int4(int type);
 bool gguf_has_q4(int type);  // Q4_0
 bool gguf_has_q4k(int type);  // Q4_K
+bool gguf_has_q5k(int type);  // Q5_K
 bool gguf_has_q6k(int type);  // Q6_K
 void gguf_int4_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void gguf_q4_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void gguf_q4k_groups(const GgufRepack& p, int64_t g0, int64_t g1);
+void gguf_q5k_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void gguf_q6k_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void gguf_q8_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void decode_attention_avx512(const AttentionProblem& p, int64_t task0, int64_t task1);

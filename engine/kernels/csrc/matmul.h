@@ -49,10 +49,10 @@ struct ActivationBlocks {
   bool sums32 = false, sums16 = false;
 };
 inline constexpr ActivationBlocks kPer32Activations{kInt4GroupCols};  // int4, q4, q8
-inline constexpr ActivationBlocks kQ4KActivations{kQ4KSuperCols, true, false};
+inline constexpr ActivationBlocks kQ4KActivations{kQ4KSuperCols, true, false};  // q4k and q5k
 inline constexpr ActivationBlocks kQ6KActivations{kQ6KSuperCols, false, true};
 
-// out [M, N] = x [M, K] @ w.T for a weight packed per 8 rows (int4, q4, q4k, q6k or q8, as `groups` reads it), its
+// out [M, N] = x [M, K] @ w.T for a weight packed per 8 rows (int4, q4, q4k, q5k, q6k or q8, as `groups` reads it), its
 // activations quantized as `activations` says.
 inline void block_matmul(Int4Groups groups, ActivationBlocks activations, QuantizedScratch& scratch, const void* x,
                          bool x_bf16, int64_t M, int64_t K, const uint8_t* w, int64_t N, void* out,

@@ -27,7 +27,7 @@ void check_activations(const at::Tensor& x, const char* op) {
 
 // w_packed: uint8 [N, K * GroupBytes / 256]: int4, 160 bytes per group of 8 rows and 32 columns ([N, K * 5 / 8]),
 // q4 or q4k, 144 bytes ([N, K * 9 / 16]; q4k: K a multiple of 256, its super-blocks), q6k, 210 bytes on average
-// ([N, K * 105 / 128], K a multiple of 256) (kernels.h).
+// ([N, K * 105 / 128], K a multiple of 256), q5k, 176 bytes ([N, K * 11 / 16], K a multiple of 256) (kernels.h).
 template <Int4Groups Groups, int64_t GroupBytes, const ActivationBlocks& Activations = kPer32Activations>
 at::Tensor int4_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
   const at::Tensor x = x_in.contiguous();
@@ -105,27 +105,31 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, c
 }
 
 // raw: uint8 [rows, bytes per row], a GGUF matrix's blocks of ggml type `type` -> the bytes of `layout`
-// (GgufLayout: 0 q8, 1 int4, 2 q4, 3 q4k, 4 q6k). out: where to write (e.g. a fused projection's rows of this part), else a new
+// (GgufLayout: 0 q8, 1 int4, 2 q4, 3 q4k, 4 q6k, 5 q5k). out: where to write (e.g. a fused projection's rows of this part), else a new
 // tensor.
 at::Tensor gguf_repack(const at::Tensor& raw, int64_t type, int64_t cols, int64_t layout_in,
                        const std::optional<at::Tensor>& out_in) {
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.device().is_cpu(),
               "gguf_repack: raw must be contiguous uint8 [rows, bytes per row] on the CPU");
-  TORCH_CHECK(layout_in >= 0 && layout_in <= 4, "gguf_repack: layout is 0 (q8), 1 (int4), 2 (q4), 3 (q4k) or 4 (q6k)");
+  TORCH_CHECK(layout_in >= 0 && layout_in <= 5,
+              "gguf_repack: layout is 0 (q8), 1 (int4), 2 (q4), 3 (q4k), 4 (q6k) or 5 (q5k)");
   const GgufLayout layout = static_cast<GgufLayout>(layout_in);
   const char* name = layout == GgufLayout::kQ8 ? "q8" : layout == GgufLayout::kInt4 ? "int4" :
-                     layout == GgufLayout::kQ4 ? "q4" : layout == GgufLayout::kQ4K ? "q4k" : "q6k";
+                     layout == GgufLayout::kQ4 ? "q4" : layout == GgufLayout::kQ4K ? "q4k" :
+                     layout == GgufLayout::kQ5K ? "q5k" : "q6k";
   const int64_t rows = raw.size(0);
   const int64_t bytes = gguf_row_bytes(static_cast<int>(type), cols);
   const bool fits = layout == GgufLayout::kQ8 || (layout == GgufLayout::kInt4 && gguf_has_int4(static_cast<int>(type))) ||
                     (layout == GgufLayout::kQ4 && gguf_has_q4(static_cast<int>(type))) ||
                     (layout == GgufLayout::kQ4K && gguf_has_q4k(static_cast<int>(type))) ||
+                    (layout == GgufLayout::kQ5K && gguf_has_q5k(static_cast<int>(type))) ||
                     (layout == GgufLayout::kQ6K && gguf_has_q6k(static_cast<int>(type)));
   TORCH_CHECK(bytes > 0 && fits, "gguf_repack: ggml type ", type, " cannot be repacked into ", name);
   TORCH_CHECK(rows % kInt4GroupRows == 0 && cols % kInt4GroupCols == 0 && raw.size(1) == bytes,
               "gguf_repack: rows must be a multiple of 8, cols of 32 (256 for K-quants), raw [rows, ", bytes, "]");
   const int64_t group_bytes = layout == GgufLayout::kQ8 ? kQ8GroupBytes :
                               layout == GgufLayout::kInt4 ? kInt4GroupBytes :
+                              layout == GgufLayout::kQ5K ? kQ5KGroupBytes :
                               layout == GgufLayout::kQ6K ? kQ6KGroupBytes : kQ4GroupBytes;  // q4k: 144 on average
   const int64_t out_cols = cols * group_bytes / (kInt4GroupRows * kInt4GroupCols);
   at::Tensor out = out_in.has_value() ? *out_in : at::empty({rows, out_cols}, raw.options());
@@ -137,6 +141,7 @@ at::Tensor gguf_repack(const at::Tensor& raw, int64_t type, int64_t cols, int64_
       case GgufLayout::kInt4: gguf_int4_groups(p, g0, g1); break;
       case GgufLayout::kQ4: gguf_q4_groups(p, g0, g1); break;
       case GgufLayout::kQ4K: gguf_q4k_groups(p, g0, g1); break;
+      case GgufLayout::kQ5K: gguf_q5k_groups(p, g0, g1); break;
       case GgufLayout::kQ6K: gguf_q6k_groups(p, g0, g1); break;
       case GgufLayout::kQ8: gguf_q8_groups(p, g0, g1); break;
     }
@@ -152,6 +157,7 @@ TORCH_LIBRARY(tern, m) {
   m.def("int4_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q4_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q4k_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
+  m.def("q5k_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q6k_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q8_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("decode_attention_avx2(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, Tensor context_lens, "
@@ -160,6 +166,7 @@ TORCH_LIBRARY(tern, m) {
   m.def("int4_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q4_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q4k_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
+  m.def("q5k_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q6k_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q8_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("decode_attention_avx512(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, "
@@ -181,6 +188,7 @@ TORCH_LIBRARY_IMPL(tern, CPU, m) {
   m.impl("int4_mm_avx2", &tern::int4_mm<tern::int4_groups_avx2, tern::kInt4GroupBytes>);
   m.impl("q4_mm_avx2", &tern::int4_mm<tern::q4_groups_avx2, tern::kQ4GroupBytes>);
   m.impl("q4k_mm_avx2", &tern::int4_mm<tern::q4k_groups_avx2, tern::kQ4GroupBytes, tern::kQ4KActivations>);
+  m.impl("q5k_mm_avx2", &tern::int4_mm<tern::q5k_groups_avx2, tern::kQ5KGroupBytes, tern::kQ4KActivations>);
   m.impl("q6k_mm_avx2", &tern::int4_mm<tern::q6k_groups_avx2, tern::kQ6KGroupBytes, tern::kQ6KActivations>);
   m.impl("q8_mm_avx2", &tern::q8_mm<tern::q8_groups_avx2>);
   m.impl("decode_attention_avx2", &tern::decode_attention_op<tern::decode_attention_avx2>);
@@ -188,6 +196,7 @@ TORCH_LIBRARY_IMPL(tern, CPU, m) {
   m.impl("int4_mm_avx512", &tern::int4_mm<tern::int4_groups_avx512, tern::kInt4GroupBytes>);
   m.impl("q4_mm_avx512", &tern::int4_mm<tern::q4_groups_avx512, tern::kQ4GroupBytes>);
   m.impl("q4k_mm_avx512", &tern::int4_mm<tern::q4k_groups_avx512, tern::kQ4GroupBytes, tern::kQ4KActivations>);
+  m.impl("q5k_mm_avx512", &tern::int4_mm<tern::q5k_groups_avx512, tern::kQ5KGroupBytes, tern::kQ4KActivations>);
   m.impl("q6k_mm_avx512", &tern::int4_mm<tern::q6k_groups_avx512, tern::kQ6KGroupBytes, tern::kQ6KActivations>);
   m.impl("q8_mm_avx512", &tern::q8_mm<tern::q8_groups_avx512>);
   m.impl("decode_attention_avx512", &tern::decode_attention_op<tern::decode_attention_avx512>);

@@ -68,6 +68,47 @@ def _as_q6_k(model) -> None:
                 setattr(parent, name, layers.Q6KLinear(packed, child.bias))
 
 
+def _q5k_packed(weight: torch.Tensor) -> torch.Tensor:
+    """About `weight` as a Q5_K tensor holds it: per 32 values a 6-bit scale and minimum under each super-block's
+    fp16 d and dmin, and 5-bit levels q, w = (d * scale) * q - dmin * minimum, in Tern's q5k layout."""
+    rows = weight.shape[0]
+    blocks = weight.reshape(rows, -1, 32)
+    offset = (-blocks.amin(-1)).clamp(min=0)  # [N, K/32]: what each 32's minimum takes away
+    step = (blocks.amax(-1) + offset) / 31
+    d = (step.reshape(rows, -1, 8).amax(-1) / 63).half().clamp(min=2.0**-14)  # [N, K/256]
+    dmin = (offset.reshape(rows, -1, 8).amax(-1) / 63).half().clamp(min=2.0**-14)
+    per_block = lambda s: s.float().repeat_interleave(8, dim=1)  # noqa: E731
+    scale = (step / per_block(d)).round().clamp(1, 63)
+    minimum = (offset / per_block(dmin)).round().clamp(0, 63)
+    q = ((blocks + (per_block(dmin) * minimum)[..., None]) / (per_block(d) * scale)[..., None]).round().clamp(0, 31)
+    return layouts.pack_q5k(q.to(torch.uint8).reshape(rows, -1), scale.to(torch.uint8), minimum.to(torch.uint8),
+                            d, dmin)
+
+
+def _as_q5_k(model) -> None:
+    """Every q8 linear layer as a Q5_K tensor would hold about the same weight."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is layers.Q8Linear and child.in_features % layouts.Q4K_SUPER_COLS == 0:
+                packed = _q5k_packed(layouts.dequantize_q8(child.weight_packed))
+                setattr(parent, name, layers.Q5KLinear(packed, child.bias))
+
+
+def _as_q5_k_m(model) -> None:
+    """As a Q5_K_M file holds a model: Q5_K (as _as_q5_k), but v and down in Q6_K; qkv then keeps its q and k rows in
+    q5k beside its v rows in q6k (layers.SplitLinear)."""
+    _as_q5_k(model)
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = attn.qkv_proj
+        qk_rows = qkv.out_features - attn.num_kv_heads * attn.head_dim
+        v = layouts.dequantize_q5k(qkv.weight_packed)[qk_rows:]
+        attn.qkv_proj = layers.SplitLinear([layers.Q5KLinear(qkv.weight_packed[:qk_rows].clone(), None),
+                                            layers.Q6KLinear(_q6k_packed(v), None)], qkv.bias)
+        down = mlp.down_proj
+        mlp.down_proj = layers.Q6KLinear(_q6k_packed(layouts.dequantize_q5k(down.weight_packed)), down.bias)
+
+
 def _as_q4_k_m(model) -> None:
     """As a Q4_K_M file holds a model: Q4_K (as _as_q4_k), but v and down in Q6_K; qkv then keeps its q and k rows in
     q4k beside its v rows in q6k (layers.SplitLinear)."""
@@ -86,15 +127,18 @@ def _as_q4_k_m(model) -> None:
 
 def _engine(tokenizer, path, model_type: str, mode: str, native: bool, dtype=torch.float32, **overrides) -> Engine:
     """mode "q4": int4, then the 4-bit layers as Q4_0 files hold them (q4); "q4k": as Q4_K ones would (q4k);
-    "q6k": int8, then the q8 layers as Q6_K ones would (q6k); "q4k_m": as a Q4_K_M file holds them."""
+    "q6k": int8, then the q8 layers as Q6_K ones would (q6k); "q5k": the same as Q5_K ones (q5k); "q4k_m" and
+    "q5k_m": as a Q4_K_M or Q5_K_M file holds them."""
     hf_config = tiny_config(model_type, **overrides)
     _, loaded = build_tiny(hf_config, tokenizer, seed=0, dtype=dtype, path=path)
-    conversions = {"q4": _as_q4_0, "q4k": _as_q4_k, "q6k": _as_q6_k, "q4k_m": _as_q4_k_m}
-    quant.quantize(loaded.model, "int8" if mode == "q6k" else "int4" if mode in conversions else mode, loaded.device,
-                   dtype)
+    conversions = {"q4": _as_q4_0, "q4k": _as_q4_k, "q5k": _as_q5_k, "q6k": _as_q6_k, "q4k_m": _as_q4_k_m,
+                   "q5k_m": _as_q5_k_m}
+    from_int8 = ("q5k", "q6k", "q5k_m")  # converted from q8 layers; the others from int4 ones
+    quant.quantize(loaded.model, "int8" if mode in from_int8 else "int4" if mode in conversions else mode,
+                   loaded.device, dtype)
     if mode in conversions:
         conversions[mode](loaded.model)
-        mode = "int8" if mode == "q6k" else "int4"
+        mode = "int8" if mode in from_int8 else "int4"
     quant.pack_for_cpu(loaded.model, path)
     loaded.quantization = mode
     config = EngineConfig(dtype=str(dtype).removeprefix("torch."), quantization=mode, native_decode=native,
@@ -132,7 +176,8 @@ def test_native_decode_gives_the_eager_twins_tokens(default_tokenizer, path_kern
 # q4k needs rows of whole 256-value super-blocks; at these widths a random model's near-flat logits tie more often
 # than the token test above allows for, so q4k is held here, to float rounding of one step.
 @pytest.mark.parametrize("model_type,mode,overrides", [("qwen3", "int4", {}), ("llama", "q4k", Q4K_SHAPES),
-                                                      ("llama", "q6k", Q4K_SHAPES), ("llama", "q4k_m", Q4K_SHAPES)])
+                                                      ("llama", "q6k", Q4K_SHAPES), ("llama", "q4k_m", Q4K_SHAPES),
+                                                      ("llama", "q5k", Q4K_SHAPES), ("llama", "q5k_m", Q4K_SHAPES)])
 def test_one_decode_step_matches_the_eager_layers_to_float_rounding(default_tokenizer, path_kernels, model_type, mode,
                                                                     overrides):
     """Hidden states after every layer of one step, for a batch of sequences with different contexts."""
@@ -142,10 +187,13 @@ def test_one_decode_step_matches_the_eager_layers_to_float_rounding(default_toke
     if mode == "q4k":  # where the path has no q4k kernel (AVX2), the int4 one serves the same weights
         packed = layers.PackedQ4KLinear if path_kernels.q4k_mm else layers.PackedInt4Linear
         assert any(type(m) is packed for m in engine.runner.model.modules())
-    if mode in ("q6k", "q4k_m"):
+    if mode in ("q6k", "q4k_m", "q5k_m"):
         require_op(path_kernels.q6k_mm, "q6k")
         assert sum(type(m) is layers.PackedQ6KLinear for m in engine.runner.model.modules()) >= 4
-    if mode == "q4k_m":  # q and k rows in one layout, v rows in another: two matmuls into one output
+    if mode in ("q5k", "q5k_m"):
+        require_op(path_kernels.q5k_mm, "q5k")
+        assert sum(type(m) is layers.PackedQ5KLinear for m in engine.runner.model.modules()) >= 4
+    if mode in ("q4k_m", "q5k_m"):  # q and k rows in one layout, v rows in another: two matmuls into one output
         assert all(type(layer.self_attn.qkv_proj) is layers.SplitLinear for layer in engine.runner.model.model.layers)
     runner = engine.runner
     lengths = [5, 17, 40]
@@ -172,7 +220,8 @@ class _Sequence:
 
 def test_where_the_native_step_cannot_serve_the_engine_says_why_and_decodes_in_python(default_tokenizer):
     cpu = kernels.select(default_cache_dir())
-    cases = [("none", torch.float32, "packed q8, int4, q4, q4k or q6k"), ("int8", torch.bfloat16, "computes in float32")]
+    cases = [("none", torch.float32, "packed q8, int4, q4, q4k, q5k or q6k"),
+             ("int8", torch.bfloat16, "computes in float32")]
     for mode, dtype, reason in cases:
         _, loaded = build_tiny(tiny_config("llama"), default_tokenizer, dtype=dtype)
         quant.quantize(loaded.model, mode, loaded.device, dtype)

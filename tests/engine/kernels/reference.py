@@ -76,6 +76,13 @@ def q4k_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: t
     return acc.to(x.dtype)
 
 
+def q5k_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, d: torch.Tensor,
+               dmin: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times GGUF's Q5_K weight, Q4_K's form with q [N, K] in 0..31: llama.cpp's Q5_K x Q8_K is its Q4_K x
+    Q8_K arithmetic on the 5-bit values (the same exact integers per super-block, the same two float steps)."""
+    return q4k_matmul(x, q, scale, minimum, d, dmin)
+
+
 def q6k_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """x [M, K] times GGUF's Q6_K weight (d * scale) * (q - 32) (q [N, K] in 0..63, scale int8 [N, K/16], d fp16
     [N, K/256]), as llama.cpp's Q6_K x Q8_K: activations quantized per 256, per super-block the exact integer

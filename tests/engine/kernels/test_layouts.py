@@ -70,6 +70,32 @@ def test_q4k_layout_round_trips_is_four_and_a_half_bits_a_weight_and_holds_q4_k_
     assert (as_int4 - expected).abs().max() <= 2.0**-9 * expected.abs().max()
 
 
+def test_q5k_layout_round_trips_is_five_and_a_half_bits_a_weight_and_holds_q5_k_values():
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 32, (24, 512), dtype=torch.uint8, generator=generator)
+    scale, minimum = (torch.randint(0, 64, (24, 16), dtype=torch.uint8, generator=generator) for _ in range(2))
+    d, dmin = torch.rand(24, 2, generator=generator).half(), torch.rand(24, 2, generator=generator).half()
+    packed = layouts.pack_q5k(q, scale, minimum, d, dmin)
+    assert packed.dtype == torch.uint8 and packed.shape == (24, 512 * 11 // 16)  # Q5_K's 176 bytes per 256 values
+    for got, want in zip(layouts.unpack_q5k(packed), (q, scale, minimum, d, dmin)):
+        assert torch.equal(got, want)
+    # The fifth bits where the kernels read them: group 0, super-block 0, sub-block 0's 32 bytes after its nibbles:
+    # byte 4r + t, bit k: nibble register k's low-nibble value (column 8k + t), bit 4 + k: its high one (8k + 4 + t).
+    fifth = packed.reshape(3, 2, 1408)[0, 0, 128 + 128:128 + 160].long()
+    for r in range(8):
+        for t in range(4):
+            for k in range(4):
+                assert (fifth[4 * r + t] >> k) & 1 == q[r, 8 * k + t] >> 4
+                assert (fifth[4 * r + t] >> (4 + k)) & 1 == q[r, 8 * k + 4 + t] >> 4
+    per_block = lambda s: s.float().repeat_interleave(8, dim=1)  # noqa: E731
+    # gguf's order: (d * scale) * q - (dmin * minimum)
+    expected = (q.float().reshape(24, 16, 32) * (per_block(d) * scale.float())[..., None]
+                - (per_block(dmin) * minimum.float())[..., None]).reshape(24, 512)
+    assert torch.equal(layouts.dequantize_q5k(packed), expected)
+    ids = torch.tensor([[0, 5, 23], [17, 17, 7]])
+    assert torch.equal(layouts.q5k_rows(packed, ids), expected[ids])
+
+
 def test_q6k_layout_round_trips_is_six_and_a_half_bits_a_weight_and_holds_q6_k_values():
     generator = torch.Generator().manual_seed(0)
     q = torch.randint(0, 64, (24, 512), dtype=torch.uint8, generator=generator)

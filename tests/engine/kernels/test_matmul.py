@@ -1,6 +1,6 @@
-"""The int8, 4-bit (int4, q4, q4k), 6-bit (q6k) and bf16 matmul kernels of every path this CPU takes: bit for bit their PyTorch
-reference at every batch size, each row independent of its batch, inside a compiled graph; and the layer each path
-puts in a model (its kernel, or aten's op on `off`) close to the exact product."""
+"""The int8, 4-bit (int4, q4, q4k), 5-bit (q5k), 6-bit (q6k) and bf16 matmul kernels of every path this CPU takes:
+bit for bit their PyTorch reference at every batch size, each row independent of its batch, inside a compiled graph;
+and the layer each path puts in a model (its kernel, or aten's op on `off`) close to the exact product."""
 from __future__ import annotations
 
 import pytest
@@ -34,6 +34,15 @@ def _int4_case(rows, n, k, dtype, seed=0):
 def _q4k_case(rows, n, k, dtype, seed=0):
     generator = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator)
+    scale, minimum = (torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=generator) for _ in range(2))
+    d = (torch.rand(n, k // 256, generator=generator) / 1000).half()
+    dmin = (torch.rand(n, k // 256, generator=generator) / 200).half()
+    return _activations(rows, k, dtype, generator), (q, scale, minimum, d, dmin)
+
+
+def _q5k_case(rows, n, k, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=generator)
     scale, minimum = (torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=generator) for _ in range(2))
     d = (torch.rand(n, k // 256, generator=generator) / 1000).half()
     dmin = (torch.rand(n, k // 256, generator=generator) / 200).half()
@@ -116,6 +125,19 @@ def test_q6k_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows):
         assert torch.equal(out, reference.q6k_matmul(x, *parts)), (n, k)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", ROWS)
+def test_q5k_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows):
+    """GGUF's Q5_K in its own 176 bytes per 256 values: q4k's integers and float steps on 5-bit values (one and
+    two rows take AVX512's one-group loop, more rows its two-group one; odd group counts the one-group loop)."""
+    q5k_mm = require(path_kernels.q5k_mm, "q5k")
+    for n, k in [(8, 256), (24, 512), (112, 768), (576, 1536)]:
+        x, parts = _q5k_case(rows, n, k, dtype, seed=rows)
+        out = q5k_mm(x, layouts.pack_q5k(*parts))
+        assert out.dtype == dtype and out.shape == (rows, n)
+        assert torch.equal(out, reference.q5k_matmul(x, *parts)), (n, k)
+
+
 def _q4k_kernel(path_kernels):
     """The path's q4k kernel; on AVX2, which serves Q4_K in int4, the AVX2 one all the same: it computes the
     AVX512 kernel's odd group of 8 rows."""
@@ -138,7 +160,11 @@ def test_a_row_gets_the_same_bits_alone_as_in_any_batch(path_kernels):
     _, parts6 = _q6k_case(37, 112, 512, torch.float32)
     q6k_mm, packed_q6k = require(path_kernels.q6k_mm, "q6k"), layouts.pack_q6k(*parts6)
     batch_q6k = q6k_mm(x[:, :512], packed_q6k)
+    _, parts5 = _q5k_case(37, 112, 512, torch.float32)
+    q5k_mm, packed_q5k = require(path_kernels.q5k_mm, "q5k"), layouts.pack_q5k(*parts5)
+    batch_q5k = q5k_mm(x[:, :512], packed_q5k)
     for row in (0, 5, 36):
+        assert torch.equal(q5k_mm(x[row:row + 1, :512], packed_q5k)[0], batch_q5k[row])
         assert torch.equal(q4k_mm(x[row:row + 1, :512], packed_q4k)[0], batch_q4k[row])
         assert torch.equal(q6k_mm(x[row:row + 1, :512], packed_q6k)[0], batch_q6k[row])
         assert torch.equal(int4_mm(x[row:row + 1], packed4)[0], batch4[row])
@@ -187,6 +213,26 @@ def test_a_q4k_layer_computes_the_q4_k_product_on_every_path(path_kernels, dtype
                 layers.PackedInt4Linear if path_kernels.int4_mm else layers.AtenInt4Linear)
     assert type(layer) is expected
     stored = layouts.dequantize_q4k(layouts.pack_q4k(*parts))
+    for rows in (1, 9, 64):
+        x = _activations(rows, 512, dtype, generator)
+        exact = x.double() @ stored.double().T + bias.to(dtype).double()
+        out = layer(x)
+        assert out.dtype == dtype and out.shape == (rows, 112)
+        assert ((out.double() - exact).norm() / exact.norm()).item() < 0.02, rows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_q5k_layer_computes_the_q5_k_product_on_every_path(path_kernels, dtype):
+    """What a GGUF's Q5_K tensor becomes: the q5k kernel where the path has one, else per-row int8 for aten's op;
+    both close to the exact product with (d * scale) * q - dmin * minimum."""
+    generator = torch.Generator().manual_seed(13)
+    _, parts = _q5k_case(1, 112, 512, dtype, seed=13)
+    bias = torch.randn(112, generator=generator)
+    model = nn.Sequential(layers.Q5KLinear(layouts.pack_q5k(*parts), bias.to(dtype)))
+    quant.pack_for_cpu(model, path_kernels)
+    layer = model[0]
+    assert type(layer) is (layers.PackedQ5KLinear if path_kernels.q5k_mm else layers.Int8Linear)
+    stored = layouts.dequantize_q5k(layouts.pack_q5k(*parts))
     for rows in (1, 9, 64):
         x = _activations(rows, 512, dtype, generator)
         exact = x.double() @ stored.double().T + bias.to(dtype).double()
@@ -269,12 +315,14 @@ def test_kernels_run_inside_a_compiled_graph(path_kernels):
     _, parts = _q4k_case(3, 112, 512, torch.float32)
     packed_q4k = layouts.pack_q4k(*parts)
     packed_q6k = layouts.pack_q6k(*_q6k_case(3, 112, 512, torch.float32)[1])
+    packed_q5k = layouts.pack_q5k(*_q5k_case(3, 112, 512, torch.float32)[1])
 
     def block(x):
         q4 = path_kernels.q4_mm(x, packed_q4) if path_kernels.q4_mm else 0
         q4k = path_kernels.q4k_mm(x[:, :512], packed_q4k) if path_kernels.q4k_mm else 0
         q6k = path_kernels.q6k_mm(x[:, :512], packed_q6k) if path_kernels.q6k_mm else 0
-        return torch.relu(q8_mm(x, packed_q8)) * 2 + int4_mm(x, packed4) + q4 + q4k + q6k
+        q5k = path_kernels.q5k_mm(x[:, :512], packed_q5k) if path_kernels.q5k_mm else 0
+        return torch.relu(q8_mm(x, packed_q8)) * 2 + int4_mm(x, packed4) + q4 + q4k + q5k + q6k
 
     compiled = torch.compile(block, fullgraph=True)
     assert torch.equal(compiled(x), block(x))

@@ -24,12 +24,14 @@ from engine.weights import gguf_blocks
 from engine.weights.gguf_blocks import GGUF_TYPES
 from engine.kernels import GGUF_REPACK_LAYOUTS, layouts
 from engine.weights.layers import (Int4Embedding, Int4Linear, Q4Embedding, Q4KEmbedding, Q4KLinear, Q4Linear,
-                                   Q6KEmbedding, Q6KLinear, Q8Embedding, Q8Linear, SplitLinear)
+                                   Q5KEmbedding, Q5KLinear, Q6KEmbedding, Q6KLinear, Q8Embedding, Q8Linear,
+                                   SplitLinear)
 from engine.weights.checkpoint import default_gguf_path
 
-BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q4_K: (256, 144), T.Q5_0: (32, 22), T.Q6_K: (256, 210),
-         T.Q8_0: (32, 34)}
-SCALE_BYTES = {T.Q4_0: (0, 2), T.Q4_1: (0, 4), T.Q4_K: (0, 4), T.Q5_0: (0, 2), T.Q6_K: (208, 210), T.Q8_0: (0, 2)}
+BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q4_K: (256, 144), T.Q5_0: (32, 22), T.Q5_K: (256, 176),
+         T.Q6_K: (256, 210), T.Q8_0: (32, 34)}
+SCALE_BYTES = {T.Q4_0: (0, 2), T.Q4_1: (0, 4), T.Q4_K: (0, 4), T.Q5_0: (0, 2), T.Q5_K: (0, 4), T.Q6_K: (208, 210),
+               T.Q8_0: (0, 2)}
 
 
 def random_blocks(ggml_type: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -94,6 +96,18 @@ def test_q6_k_is_served_in_q6k_its_own_bytes_bit_for_bit():
     assert torch.equal(layouts.dequantize_q6k(packed), torch.from_numpy(quants.dequantize(raw.numpy(), T.Q6_K)))
 
 
+def test_q5_k_is_served_in_q5k_its_own_bytes_bit_for_bit():
+    """Q5_K is Q4_K with a fifth bit per value (its own 32 bytes per super-block, value l of sub-block j at bit j
+    of byte l): q5k keeps q, the scales, minimums, d and dmin as the file has them, in its 176 bytes per 256 values,
+    and gives gguf's values bit for bit."""
+    raw = torch.from_numpy(random_blocks(T.Q5_K, 24, 512))
+    assert GGUF_TYPES[T.Q5_K].layout == "q5k"
+    packed = GGUF_TYPES[T.Q5_K].repack(raw)
+    assert packed.numel() == raw.numel()
+    assert torch.equal(layouts.dequantize_q5k(packed), torch.from_numpy(quants.dequantize(raw.numpy(), T.Q5_K)))
+    assert torch.equal(packed, layouts.pack_q5k(*gguf_blocks.q5_k_to_q5k(raw)))
+
+
 @pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1, T.Q4_K])
 def test_the_fast_int4_repacking_gives_the_bytes_of_its_plain_twin(ggml_type):
     """The int4 repacking works on 32-bit words of nibbles; its twin decodes one value per byte and packs them
@@ -145,7 +159,7 @@ def write_tiny_gguf(path: Path, types: dict[str, T], tied: bool = True, seed: in
         ggml_type = types.get(role, T.F32)
         if ggml_type == T.F32:
             writer.add_tensor(name, (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32))
-        elif ggml_type in (T.Q4_K, T.Q6_K):
+        elif ggml_type in (T.Q4_K, T.Q5_K, T.Q6_K):
             writer.add_tensor(name, random_blocks(ggml_type, rows, cols, seed=rng.integers(1 << 30)),
                               raw_dtype=ggml_type)
         else:
@@ -178,15 +192,10 @@ def write_tiny_gguf(path: Path, types: dict[str, T], tied: bool = True, seed: in
 
 def blocks_of(ggml_type: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """uint8 [rows, bytes per row] of any type the loader reads: random_blocks for those it knows, gguf's own
-    quantizer over random weights for Q5_1/F16/BF16/F32, random bytes with small scales for Q5_K."""
+    quantizer over random weights for Q5_1/F16/BF16/F32."""
     if ggml_type in BLOCK:
         return random_blocks(ggml_type, rows, cols, seed)
     rng = np.random.default_rng(seed)
-    if ggml_type == T.Q5_K:  # 176 bytes per 256: fp16 d and dmin first, then scales and quants
-        raw = rng.integers(0, 256, size=(rows, cols // 256, 176), dtype=np.uint8)
-        scales = (rng.uniform(0.5, 1.5, size=(rows, cols // 256, 2)) * 2e-3).astype(np.float16)
-        raw[..., 0:4] = scales.view(np.uint8)
-        return raw.reshape(rows, -1)
     weights = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
     return quants.quantize(weights, ggml_type).reshape(rows, -1).view(np.uint8)
 
@@ -205,7 +214,7 @@ def test_the_kernel_librarys_repacking_gives_its_plain_twins_bytes(ggml_type, pa
     rows, cols = 40, 1024
     raw = torch.from_numpy(blocks_of(ggml_type, rows, cols, seed=5).copy())
     kind = GGUF_TYPES[ggml_type]
-    if kind.layout in ("int4", "q4", "q4k", "q6k"):
+    if kind.layout in ("int4", "q4", "q4k", "q5k", "q6k"):
         assert torch.equal(repack(raw, int(ggml_type), cols, GGUF_REPACK_LAYOUTS[kind.layout]), kind.repack(raw))
     if kind.layout in ("q4", "q4k"):  # Q4_0 and Q4_K also into int4, beside int4 parts of a fused layer
         assert torch.equal(repack(raw, int(ggml_type), cols, GGUF_REPACK_LAYOUTS["int4"]), kind.repack_into("int4")(raw))
@@ -223,6 +232,7 @@ def every(ggml_type: T, **others: T) -> dict[str, T]:
 
 # Like llama.cpp's Q4_K_M: 4-bit K-quants, with v, down and the output head in Q6_K.
 Q4_K_M = every(T.Q4_K, v=T.Q6_K, down=T.Q6_K, output=T.Q6_K)
+Q5_K_M = every(T.Q5_K, v=T.Q6_K, down=T.Q6_K, output=T.Q6_K)  # the same with 5-bit K-quants
 FILES = {
     "Q4_0": (every(T.Q4_0), True),
     "Q4_0 with Q4_1 v and up": (every(T.Q4_0, v=T.Q4_1, up=T.Q4_1), False),
@@ -231,6 +241,7 @@ FILES = {
     "Q5_0 with Q4_0 q and gate": (every(T.Q5_0, q=T.Q4_0, gate=T.Q4_0), True),
     "Q4_1+Q8_0 embedding": (every(T.Q4_1, embd=T.Q8_0), True),
     "Q4_K_M-like, untied": (Q4_K_M, False),
+    "Q5_K_M-like, untied": (Q5_K_M, False),
     "Q4_K with Q4_1 k and Q4_0 up": (every(T.Q4_K, k=T.Q4_1, up=T.Q4_0), True),
     "F32": (every(T.F32), False),
 }
@@ -280,8 +291,8 @@ def test_a_native_gguf_loads_without_transformers_modeling_stack(tmp_path):
 def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path):
     """4-bit tensors are built 4-bit and Q8_0 and Q5_0 ones q8, with the values transformers de-quantizes from the
     file (exact for Q4_0/Q4_1/Q4_K/Q5_0/Q8_0, and for Q4_0 parts joined to q8 ones; within fp16 rounding of the
-    scales for Q4_K parts joined to other 4-bit types in int4); Q6_K in q6k, exact; a fused projection whose parts
-    the file holds in different layouts (a Q4_K_M file's q, k and v) keeps each part's, exactly; the rest (F32) q8
+    scales for Q4_K parts joined to other 4-bit types in int4); Q5_K in q5k and Q6_K in q6k, exact; a fused projection
+    whose parts the file holds in different layouts (a Q4_K_M file's q, k and v) keeps each part's, exactly; the rest (F32) q8
     within half a step of its scales; q and k rows in transformers' order. (The layers as built, before packing for a kernel
     path: without kernels aten's int4pack re-packs them in its own way.)"""
     from transformers import AutoConfig
@@ -292,7 +303,7 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
 
     hf_config = AutoConfig.from_pretrained(gguf_metadata(tiny_gguf, tmp_path))
     model = build_model(GgufFile.open(tiny_gguf), hf_config, "auto", torch.float32, torch.device("cpu"), q4k=True,
-                        q6k=True)
+                        q5k=True, q6k=True)
     reference = transformers_model(tiny_gguf).state_dict()
     reader = GGUFReader(tiny_gguf)
     types = {t.name: t.tensor_type for t in reader.tensors}
@@ -311,16 +322,18 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
                 # Parts of different layouts keep each its own, side by side: the file's values, exactly.
                 assert type(fused) is SplitLinear and len(fused.parts) > 1
                 dequantize = {Q4Linear: layouts.dequantize_q4, Q4KLinear: layouts.dequantize_q4k,
-                              Q6KLinear: layouts.dequantize_q6k, Q8Linear: layouts.dequantize_q8}
+                              Q5KLinear: layouts.dequantize_q5k, Q6KLinear: layouts.dequantize_q6k,
+                              Q8Linear: layouts.dequantize_q8}
                 ours = torch.cat([dequantize[type(part)](part.weight_packed) for part in fused.parts])
                 assert torch.equal(ours, expected)
                 continue
             # Q4_0 alone in its own q4 layout, Q4_K in q4k; beside other 4-bit parts, int4; else q8.
             expected_type = (Q4Linear if kinds == {T.Q4_0} else Q4KLinear if kinds == {T.Q4_K} else
-                             Q6KLinear if kinds == {T.Q6_K} else Int4Linear if is_4bit else Q8Linear)
+                             Q5KLinear if kinds == {T.Q5_K} else Q6KLinear if kinds == {T.Q6_K} else
+                             Int4Linear if is_4bit else Q8Linear)
             assert type(fused) is expected_type, (kinds, type(fused))
-            if expected_type is Q6KLinear:
-                assert torch.equal(layouts.dequantize_q6k(fused.weight_packed), expected)
+            if expected_type in (Q5KLinear, Q6KLinear):
+                assert torch.equal(expected_type.dequantize(fused.weight_packed), expected)
             elif not is_4bit:
                 ours = layouts.dequantize_q8(fused.weight_packed)
                 if all(GGUF_TYPES[kind].holds("q8") for kind in kinds):  # Q8_0, Q5_0, and Q4_0 beside them
@@ -342,11 +355,11 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
                     assert torch.equal(ours, expected)
     embd_type = types["token_embd.weight"]
     is_4bit = embd_type in (T.Q4_0, T.Q4_1, T.Q4_K)
-    assert type(model.model.embed_tokens) is {T.Q4_0: Q4Embedding, T.Q4_K: Q4KEmbedding, T.Q6_K: Q6KEmbedding}.get(
-        embd_type, Int4Embedding if is_4bit else Q8Embedding)
+    embeddings = {T.Q4_0: Q4Embedding, T.Q4_K: Q4KEmbedding, T.Q5_K: Q5KEmbedding, T.Q6_K: Q6KEmbedding}
+    assert type(model.model.embed_tokens) is embeddings.get(embd_type, Int4Embedding if is_4bit else Q8Embedding)
     ids = torch.tensor([0, 7, 1234, 49151])
     rows = model.model.embed_tokens(ids).float()
-    if embd_type in (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q6_K, T.Q8_0):  # the rest is re-quantized to q8 under auto
+    if embd_type in (T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_K, T.Q6_K, T.Q8_0):  # the rest is re-quantized to q8
         assert torch.equal(rows, reference["model.embed_tokens.weight"][ids])
 
 
@@ -366,21 +379,23 @@ def test_a_gguf_answers_as_transformers_does_on_the_same_file(tiny_gguf, tmp_pat
         engine.stop()
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q6_K", "Q4_K_M"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M", "Q5_K_M"])
 def test_a_quantized_gguf_takes_the_files_size_in_memory(tmp_path, name):
-    types = Q4_K_M if name == "Q4_K_M" else every(T[name])
-    path = write_tiny_gguf(tmp_path / "model.gguf", types, tied=name != "Q4_K_M")
+    mixes = {"Q4_K_M": Q4_K_M, "Q5_K_M": Q5_K_M}
+    types = mixes.get(name) or every(T[name])
+    path = write_tiny_gguf(tmp_path / "model.gguf", types, tied=name not in mixes)
     engine = Engine(EngineConfig(model=str(path), quantization="auto", cache_dir=str(tmp_path / "cache"))).start()
     try:
-        assert engine.loaded.quantization == ("int8" if name == "Q6_K" else "int4")
-        # Q4_0 is served in its own 18 bytes per 32 values (q4), Q4_K in its 144 per 256 (q4k), Q6_K in its 210 per
-        # 256 (q6k), a Q4_K_M file's qkv as its parts (q4k and q6k side by side), and the norms as the file's
-        # float32. Without Tern's kernels (TERN_CPU_KERNELS=off) aten's int4pack holds its own copies of the 4-bit
-        # layers, and Q6_K goes into q8; on AVX2 Q4_K goes into int4.
+        assert engine.loaded.quantization == ("int8" if name in ("Q5_K", "Q6_K", "Q5_K_M") else "int4")
+        # Q4_0 is served in its own 18 bytes per 32 values (q4), Q4_K in its 144 per 256 (q4k), Q5_K in its 176 per
+        # 256 (q5k), Q6_K in its 210 per 256 (q6k), a Q4_K_M (Q5_K_M) file's qkv as its parts (q4k (q5k) and q6k
+        # side by side), and the norms as the file's float32. Without Tern's kernels (TERN_CPU_KERNELS=off) aten's
+        # int4pack holds its own copies of the 4-bit layers, and Q5_K and Q6_K go into q8; on AVX2 Q4_K goes into
+        # int4.
         tensor_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
         kernels = engine.loaded.kernels
-        needed = {"Q4_0": [kernels.q4_mm], "Q4_K": [kernels.q4k_mm], "Q6_K": [kernels.q6k_mm],
-                  "Q4_K_M": [kernels.q4k_mm, kernels.q6k_mm]}[name]
+        needed = {"Q4_0": [kernels.q4_mm], "Q4_K": [kernels.q4k_mm], "Q5_K": [kernels.q5k_mm], "Q6_K": [kernels.q6k_mm],
+                  "Q4_K_M": [kernels.q4k_mm, kernels.q6k_mm], "Q5_K_M": [kernels.q5k_mm, kernels.q6k_mm]}[name]
         if kernels.path != "off" and None not in needed:
             assert engine.loaded.weight_bytes == tensor_bytes
         [completion] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
@@ -390,6 +405,28 @@ def test_a_quantized_gguf_takes_the_files_size_in_memory(tmp_path, name):
     # Only the config and tokenizer were written to the cache, never a de-quantized copy.
     cached = [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and "kernels" not in p.parts]
     assert cached and sum(p.stat().st_size for p in cached) < 0.5 * path.stat().st_size
+
+
+@pytest.mark.parametrize("has_kernel", [True, False])
+def test_the_load_says_what_serves_q5_k(tmp_path, caplog, has_kernel):
+    """The load's one summary line names each type and its layout: Q5_K as q5k where a kernel serves it, else as q8
+    (re-quantized from gguf's values, as on the `off` path)."""
+    import logging
+
+    from transformers import AutoConfig
+
+    from engine.weights.checkpoint import gguf_metadata
+    from engine.weights.gguf_file import GgufFile
+    from engine.weights.streamed_load import build_model
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", Q5_K_M, tied=False)
+    hf_config = AutoConfig.from_pretrained(gguf_metadata(path, tmp_path))
+    with caplog.at_level(logging.INFO, logger="engine.weights.streamed_load"):
+        build_model(GgufFile.open(path), hf_config, "auto", torch.float32, torch.device("cpu"), q5k=has_kernel,
+                    q6k=True)
+    summary = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("tiny.gguf: "))
+    assert ("Q5_K as q5k" in summary) == has_kernel and ("Q5_K as q8" in summary) != has_kernel, summary
+    assert "Q6_K as q6k" in summary
 
 
 def test_a_cut_gguf_is_one_clear_error_naming_the_file_and_leaves_no_cache(tmp_path):

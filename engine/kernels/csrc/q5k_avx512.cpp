@@ -1,0 +1,161 @@
+// 5-bit weights (GGUF's Q5_K, kernels.h: q5k_groups_avx512) times int8 activations on AVX512-VNNI. Each nibble half
+// gets its fifth bits in one vpternlogd, and vpdpbusd adds the exact products of 4 unsigned 5-bit values and 4
+// signed activation bytes into each row's int32 lane: the integers of the AVX2 kernel (q5k_avx2.cpp), so both give
+// the same bits. Up to two activation rows (decode), one group of 8 rows at a time in 256-bit registers (q5k_rows.h:
+// one stream of weights, as q4k's and q6k's one- and two-row loops); more rows, two groups side by side in 512-bit
+// registers, 8 rows a tile (pair_rows, q4k's pair loop with the fifth bits).
+#include "avx512.h"
+#include "kernels.h"
+#include "prefetch.h"
+#include "q5k_rows.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+
+namespace tern {
+namespace {
+
+constexpr int kSingleGroupRows = 2;  // up to this many rows, one group at a time (q5k::group_rows)
+constexpr int kGroupTileRows = 4;  // activation rows sharing each weight load there
+constexpr int kPairTileRows = 8;  // and in pair_rows
+
+struct Vnni256 {
+  static void five_bits(__m256i packed, __m256i lo_fifth, __m256i hi_fifth, __m256i& lo, __m256i& hi) {
+    const __m256i low = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
+    // a | (b & c): one vpternlogd (0xF8)
+    lo = _mm256_ternarylogic_epi32(_mm256_and_si256(packed, low), lo_fifth, fifth, 0xF8);
+    hi = _mm256_ternarylogic_epi32(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low), hi_fifth, fifth, 0xF8);
+  }
+  static __m256i dot(__m256i acc, __m256i lo, __m256i hi, __m256i x_lo, __m256i x_hi) {
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, lo, x_lo), hi, x_hi);
+  }
+};
+
+// out[m, rows n0..n0+15] for MB activation rows against groups wa (rows n0..n0+7) and wb (n0+8..n0+15): q5k_rows.h's
+// steps in 16 lanes. The results wait in memory during the dots, which leaves registers for 8 rows a tile.
+template <int MB>
+inline void pair_rows(const Q5KProblem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, int64_t n0) {
+  const QuantizedRows& q = *p.x;  // blocks of 256: q.blocks super-blocks, q.sums32 (int16) per 32 values
+  const int64_t per_row = q.K / kInt4GroupCols, group_stride = q.blocks * kQ5KSuperBytes;
+  const __m512i low = _mm512_set1_epi8(0x0F), fifth_bit = _mm512_set1_epi8(0x10);
+  const __m512i fifteen = _mm512_set1_epi32(15), three = _mm512_set1_epi32(3);
+  alignas(64) float result[MB][16] = {};
+  for (int64_t s = 0; s < q.blocks; ++s) {
+    const uint8_t* sa = wa + s * kQ5KSuperBytes;
+    const uint8_t* sb = wb + s * kQ5KSuperBytes;
+    const __m512i top_bits = avx512::two_groups(sa + 32, sb + 32);  // a row's top bits: s_j at 2j, m_j at 16 + 2j
+    __m512i top = top_bits;
+    __m512i isum[MB];
+    for (int m = 0; m < MB; ++m) isum[m] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      // 8 steps a super-block, as q5k_rows.h's
+      prefetch_pair_stream<kQ5KGroupBytes>(sa + j * kQ5KGroupBytes, wa + group_stride, group_stride);
+      prefetch_pair_stream<kQ5KGroupBytes>(sb + j * kQ5KGroupBytes, wb + group_stride, group_stride);
+      const __m512i lows = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sa + 64 + 8 * j)),
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 64 + 8 * j))));
+      const __m512i scale = _mm512_or_si512(_mm512_and_si512(lows, fifteen),
+                                            _mm512_slli_epi32(_mm512_and_si512(top, three), 4));
+      top = _mm512_srli_epi32(top, 2);
+      const uint8_t* ca = sa + kQ5KHeaderBytes + j * kQ5KBlockBytes;
+      const uint8_t* cb = sb + kQ5KHeaderBytes + j * kQ5KBlockBytes;
+      const __m512i fifth = avx512::two_groups(ca + 128, cb + 128);
+      __m512i lo_fifth = _mm512_slli_epi16(fifth, 4), hi_fifth = fifth;
+      __m512i dot[MB];
+      const int32_t* x[MB];
+      for (int m = 0; m < MB; ++m) {
+        dot[m] = _mm512_setzero_si512();
+        x[m] = reinterpret_cast<const int32_t*>(q.values + (m0 + m) * q.K + (s * 8 + j) * kInt4GroupCols);
+      }
+      for (int r = 0; r < 4; ++r) {
+        const __m512i packed = avx512::two_groups(ca + 32 * r, cb + 32 * r);
+        const __m512i lo = _mm512_ternarylogic_epi32(_mm512_and_si512(packed, low), lo_fifth, fifth_bit, 0xF8);
+        const __m512i hi = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low), hi_fifth,
+                                                     fifth_bit, 0xF8);
+        lo_fifth = _mm512_srli_epi16(lo_fifth, 1);
+        hi_fifth = _mm512_srli_epi16(hi_fifth, 1);
+        for (int m = 0; m < MB; ++m) {
+          dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(x[m][2 * r]));
+          dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(x[m][2 * r + 1]));
+        }
+      }
+      for (int m = 0; m < MB; ++m) isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(dot[m], scale));
+    }
+    const __m512 d = avx512::two_fp16_rows(sa, sb);
+    for (int m = 0; m < MB; ++m) {
+      const __m512 x_scale = _mm512_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
+      _mm512_store_ps(result[m], _mm512_add_ps(_mm512_load_ps(result[m]),
+                                               _mm512_mul_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, x_scale))));
+    }
+    // The minimums: per pair of sub-blocks (2k, 2k + 1) a lane's m_2k | m_2k+1 << 16 against the activations' two
+    // int16 sums, one vpmaddwd.
+    __m512i pairs[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m512i first = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sa + 64 + 16 * k)),
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 64 + 16 * k))));
+      const __m512i second = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sa + 72 + 16 * k)),
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 72 + 16 * k))));
+      const __m512i m_first = _mm512_or_si512(_mm512_srli_epi32(first, 4),
+          _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(top_bits, _mm_cvtsi32_si128(16 + 4 * k)), three), 4));
+      const __m512i m_second = _mm512_or_si512(_mm512_srli_epi32(second, 4),
+          _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(top_bits, _mm_cvtsi32_si128(18 + 4 * k)), three), 4));
+      pairs[k] = _mm512_or_si512(m_first, _mm512_slli_epi32(m_second, 16));
+    }
+    const __m512 negative_dmin = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(avx512::two_fp16_rows(sa + 16, sb + 16)), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
+    for (int m = 0; m < MB; ++m) {
+      const int32_t* sums = reinterpret_cast<const int32_t*>(q.sums32 + (m0 + m) * per_row + s * 8);  // int16 pairs
+      __m512i msum = _mm512_madd_epi16(pairs[0], _mm512_set1_epi32(sums[0]));
+      for (int k = 1; k < 4; ++k) msum = _mm512_add_epi32(msum, _mm512_madd_epi16(pairs[k], _mm512_set1_epi32(sums[k])));
+      const __m512 x_scale = _mm512_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
+      _mm512_store_ps(result[m], _mm512_add_ps(_mm512_load_ps(result[m]),
+          _mm512_mul_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(negative_dmin, x_scale))));
+    }
+  }
+  for (int m = 0; m < MB; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, _mm512_load_ps(result[m]), p.out_bf16);
+}
+
+// Groups [g0, g1) one at a time (q5k_rows.h), kGroupTileRows activation rows a tile.
+void single_groups(const Q5KProblem& p, int64_t g0, int64_t g1) {
+  const int64_t group_stride = p.x->blocks * kQ5KSuperBytes;  // 8 rows, all of K
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = p.w + g * group_stride;
+    bool first = true;
+    for (int64_t m = 0; m < p.M; m += kGroupTileRows, first = false) {
+      switch (std::min<int64_t>(kGroupTileRows, p.M - m)) {
+        case 1: q5k::group_rows<Vnni256, 1>(p, m, wg, g * kInt4GroupRows, first); break;
+        case 2: q5k::group_rows<Vnni256, 2>(p, m, wg, g * kInt4GroupRows, first); break;
+        case 3: q5k::group_rows<Vnni256, 3>(p, m, wg, g * kInt4GroupRows, first); break;
+        default: q5k::group_rows<Vnni256, kGroupTileRows>(p, m, wg, g * kInt4GroupRows, first); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void q5k_groups_avx512(const Q5KProblem& p, int64_t g0, int64_t g1) {
+  if (p.M <= kSingleGroupRows) return single_groups(p, g0, g1);
+  const int64_t group_stride = p.x->blocks * kQ5KSuperBytes;  // 8 rows, all of K
+  for (; g0 + 1 < g1; g0 += 2) {
+    const uint8_t* wa = p.w + g0 * group_stride;
+    for (int64_t m = 0; m < p.M; m += kPairTileRows) {
+      switch (std::min<int64_t>(kPairTileRows, p.M - m)) {
+        case 1: pair_rows<1>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        case 2: pair_rows<2>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        case 3: pair_rows<3>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        case 4: pair_rows<4>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        case 5: pair_rows<5>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        case 6: pair_rows<6>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        case 7: pair_rows<7>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+        default: pair_rows<kPairTileRows>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
+      }
+    }
+  }
+  if (g0 < g1) single_groups(p, g0, g1);  // an odd group left: one group at a time, the same bits
+}
+
+}  // namespace tern
