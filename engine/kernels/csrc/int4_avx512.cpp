@@ -15,6 +15,7 @@
 #include "avx2.h"
 #include "avx512.h"
 #include "kernels.h"
+#include "kquant_minimums_avx512.h"
 #include "prefetch.h"
 
 #include <immintrin.h>
@@ -106,7 +107,7 @@ constexpr int kQ4KTileRows = 8;
 template <int MB>
 inline void q4k_pair_rows(const Q4KProblem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, int64_t n0) {
   const QuantizedRows& q = *p.x;  // blocks of 256: q.blocks super-blocks, q.sums32 (int16) per 32 values
-  const int64_t per_row = q.K / kInt4GroupCols, group_stride = q.blocks * kQ4KSuperBytes;
+  const int64_t group_stride = q.blocks * kQ4KSuperBytes;
   const __m512i low = _mm512_set1_epi8(0x0F), fifteen = _mm512_set1_epi32(15), three = _mm512_set1_epi32(3);
   alignas(64) float result[MB][16] = {};
   for (int64_t s = 0; s < q.blocks; ++s) {
@@ -151,32 +152,7 @@ inline void q4k_pair_rows(const Q4KProblem& p, int64_t m0, const uint8_t* wa, co
       _mm512_store_ps(result[m], _mm512_add_ps(_mm512_load_ps(result[m]),
                                                _mm512_mul_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, x_scale))));
     }
-    // The minimums: per pair of sub-blocks (2k, 2k + 1) a lane's m_2k | m_2k+1 << 16 against the activations' two
-    // int16 sums, one vpmaddwd.
-    __m512i pairs[4];
-    for (int k = 0; k < 4; ++k) {
-      const __m512i first = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sa + 64 + 16 * k)),
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 64 + 16 * k))));
-      const __m512i second = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sa + 72 + 16 * k)),
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 72 + 16 * k))));
-      const __m512i m_first = _mm512_or_si512(_mm512_srli_epi32(first, 4),
-          _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(top_bits, _mm_cvtsi32_si128(16 + 4 * k)), three), 4));
-      const __m512i m_second = _mm512_or_si512(_mm512_srli_epi32(second, 4),
-          _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(top_bits, _mm_cvtsi32_si128(18 + 4 * k)), three), 4));
-      pairs[k] = _mm512_or_si512(m_first, _mm512_slli_epi32(m_second, 16));
-    }
-    const __m512 negative_dmin = _mm512_castsi512_ps(_mm512_xor_si512(
-        _mm512_castps_si512(avx512::two_fp16_rows(sa + 16, sb + 16)), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
-    for (int m = 0; m < MB; ++m) {
-      const int32_t* sums = reinterpret_cast<const int32_t*>(q.sums32 + (m0 + m) * per_row + s * 8);  // int16 pairs
-      __m512i msum = _mm512_madd_epi16(pairs[0], _mm512_set1_epi32(sums[0]));
-      for (int k = 1; k < 4; ++k) msum = _mm512_add_epi32(msum, _mm512_madd_epi16(pairs[k], _mm512_set1_epi32(sums[k])));
-      const __m512 x_scale = _mm512_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
-      _mm512_store_ps(result[m], _mm512_add_ps(_mm512_load_ps(result[m]),
-          _mm512_mul_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(negative_dmin, x_scale))));
-    }
+    add_pair_minimums<MB>(q, m0, s, sa, sb, top_bits, result);
   }
   for (int m = 0; m < MB; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, _mm512_load_ps(result[m]), p.out_bf16);
 }
