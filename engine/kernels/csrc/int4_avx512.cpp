@@ -157,85 +157,8 @@ inline void q4k_pair_rows(const Q4KProblem& p, int64_t m0, const uint8_t* wa, co
   for (int m = 0; m < MB; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, _mm512_load_ps(result[m]), p.out_bf16);
 }
 
-// q4k for one or two activation rows (decode): one group of 8 rows at a time in 256-bit registers, one stream of
-// weights, the same integers and float steps as q4k_pair_rows. At one row on a 16384 x 8192 matrix (2-core AMD
-// EPYC AVX512 VM, alternated) it took 0.86-0.94x the pairs' time (as q6k_avx512.cpp's group_rows); the q4 kernel's
-// pairs, tried the same way, were faster than one group.
-constexpr int kSingleGroupRows = 2;
-
-template <int MB>
-inline void q4k_group_rows(const Q4KProblem& p, int64_t m0, const uint8_t* w, int64_t n0) {
-  const QuantizedRows& q = *p.x;
-  const int64_t per_row = q.K / kInt4GroupCols;
-  const __m256i low = _mm256_set1_epi8(0x0F), fifteen = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3);
-  __m256 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < q.blocks; ++s) {
-    const uint8_t* super = w + s * kQ4KSuperBytes;
-    const __m256i top_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 32));
-    __m256i top = top_bits;
-    __m256i isum[MB];
-    for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) {
-      prefetch_near<kQ4GroupBytes>(super + j * kQ4GroupBytes);
-      const __m256i lows = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 64 + 8 * j)));
-      const __m256i scale = _mm256_or_si256(_mm256_and_si256(lows, fifteen),
-                                            _mm256_slli_epi32(_mm256_and_si256(top, three), 4));
-      top = _mm256_srli_epi32(top, 2);
-      const uint8_t* wc = super + 128 + 128 * j;
-      __m256i dot[MB];
-      const int32_t* x[MB];
-      for (int m = 0; m < MB; ++m) {
-        dot[m] = _mm256_setzero_si256();
-        x[m] = reinterpret_cast<const int32_t*>(q.values + (m0 + m) * q.K + (s * 8 + j) * kInt4GroupCols);
-      }
-      for (int r = 0; r < 4; ++r) {
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32 * r));
-        const __m256i lo = _mm256_and_si256(packed, low);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-        for (int m = 0; m < MB; ++m) {
-          dot[m] = _mm256_dpbusd_epi32(dot[m], lo, _mm256_set1_epi32(x[m][2 * r]));
-          dot[m] = _mm256_dpbusd_epi32(dot[m], hi, _mm256_set1_epi32(x[m][2 * r + 1]));
-        }
-      }
-      for (int m = 0; m < MB; ++m) isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(dot[m], scale));
-    }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super)));
-    for (int m = 0; m < MB; ++m)
-      acc[m] = _mm256_add_ps(acc[m], _mm256_mul_ps(_mm256_cvtepi32_ps(isum[m]),
-                                                   _mm256_mul_ps(d, _mm256_set1_ps(q.scales[(m0 + m) * q.blocks + s]))));
-    __m256i pairs[4];
-    for (int k = 0; k < 4; ++k) {
-      const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 64 + 16 * k)));
-      const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 72 + 16 * k)));
-      const __m256i m_first = _mm256_or_si256(_mm256_srli_epi32(first, 4),
-          _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(top_bits, _mm_cvtsi32_si128(16 + 4 * k)), three), 4));
-      const __m256i m_second = _mm256_or_si256(_mm256_srli_epi32(second, 4),
-          _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(top_bits, _mm_cvtsi32_si128(18 + 4 * k)), three), 4));
-      pairs[k] = _mm256_or_si256(m_first, _mm256_slli_epi32(m_second, 16));
-    }
-    const __m256 negative_dmin = _mm256_xor_ps(
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 16))), _mm256_set1_ps(-0.0f));
-    for (int m = 0; m < MB; ++m) {
-      const int32_t* sums = reinterpret_cast<const int32_t*>(q.sums32 + (m0 + m) * per_row + s * 8);
-      __m256i msum = _mm256_madd_epi16(pairs[0], _mm256_set1_epi32(sums[0]));
-      for (int k = 1; k < 4; ++k) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs[k], _mm256_set1_epi32(sums[k])));
-      acc[m] = _mm256_add_ps(acc[m], _mm256_mul_ps(_mm256_cvtepi32_ps(msum),
-                                                   _mm256_mul_ps(negative_dmin, _mm256_set1_ps(q.scales[(m0 + m) * q.blocks + s]))));
-    }
-  }
-  for (int m = 0; m < MB; ++m) avx2::store8(p.out, (m0 + m) * p.N + n0, acc[m], p.out_bf16);
-}
-
 void q4k_groups(const Q4KProblem& p, int64_t g0, int64_t g1) {
   const int64_t group_stride = p.x->blocks * kQ4KSuperBytes;  // 8 rows, all of K
-  if (p.M <= kSingleGroupRows) {
-    for (int64_t g = g0; g < g1; ++g) {
-      if (p.M == 1) q4k_group_rows<1>(p, 0, p.w + g * group_stride, g * kInt4GroupRows);
-      else q4k_group_rows<2>(p, 0, p.w + g * group_stride, g * kInt4GroupRows);
-    }
-    return;
-  }
   for (; g0 + 1 < g1; g0 += 2) {
     const uint8_t* wa = p.w + g0 * group_stride;
     for (int64_t m = 0; m < p.M; m += kQ4KTileRows) {

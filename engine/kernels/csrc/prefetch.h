@@ -1,15 +1,15 @@
 // How the AVX512 block kernels keep their weights streaming from memory at one or two activation rows (decode),
 // where little arithmetic hides the memory's latency.
 //
-// The loops over two groups of 8 rows side by side (int4_avx512.cpp, q8_avx512.cpp, and q4k's and q6k's for more
-// than two rows) read two streams at once, and the hardware prefetcher alone ran too little ahead of them: a 2-core
+// The loops over two groups of 8 rows side by side (every AVX512 matmul loop: int4_avx512.cpp, q8_avx512.cpp,
+// q5k_avx512.cpp, q6k_avx512.cpp) read two streams at once, and the hardware prefetcher alone ran too little ahead of them: a 2-core
 // AMD EPYC AVX512 VM read a 1B model's q4 layers at 22-30 GB/s (its K = 2048 rows make streams of 9 KB) and large
 // matrices at 34-42. Each step of those loops now also asks for the lines kL2AheadBytes ahead into L2: 29-31 and
 // 41-52 GB/s, 0.72-0.90x the time in one process alternated, and one stream of the 1B Q4_0 file decoded at 61 tok/s
 // instead of 45. Anywhere from 3.5 to 18 KB ahead did the same, 2.3 KB less; the far lines asked into L1 instead
-// of L2 did worse than none. The loops over one group (one stream: q4k's and q6k's one- and two-row loops, the
-// AVX2 kernels) gained nothing from it on that VM (0.97-1.03x) and the AVX2 ones, compute-bound there, lost 2-6%:
-// they keep only the near request.
+// of L2 did worse than none. The loops over one group (one stream: the AVX2 kernels) gained nothing from it on
+// that VM (0.97-1.03x) and, compute-bound there, lost 2-6%: they keep only the near request. With it, the AVX512
+// pairs read faster than one group at a time even at one row (engine/kernels/README.md: q4k, q5k, q6k).
 #pragma once
 
 #include <immintrin.h>

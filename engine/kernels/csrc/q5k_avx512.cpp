@@ -1,14 +1,13 @@
 // 5-bit weights (GGUF's Q5_K, kernels.h: q5k_groups_avx512) times int8 activations on AVX512-VNNI. Each nibble half
 // gets its fifth bits in one vpternlogd, and vpdpbusd adds the exact products of 4 unsigned 5-bit values and 4
 // signed activation bytes into each row's int32 lane: the integers of the AVX2 kernel (q5k_avx2.cpp), so both give
-// the same bits. Up to two activation rows (decode), one group of 8 rows at a time in 256-bit registers (q5k_rows.h:
-// one stream of weights, as q4k's and q6k's one- and two-row loops); more rows, two groups side by side in 512-bit
-// registers, 8 rows a tile (pair_rows, q4k's pair loop with the fifth bits).
+// the same bits. Two groups of 8 rows side by side in 512-bit registers, 8 activation rows a tile, at every row count
+// (pair_rows, q4k's pair loop with the fifth bits): with the far prefetch (prefetch.h) the pairs read faster than
+// one group at a time even at one row (engine/kernels/README.md).
 #include "avx512.h"
 #include "kernels.h"
 #include "kquant_minimums_avx512.h"
 #include "prefetch.h"
-#include "q5k_rows.h"
 
 #include <immintrin.h>
 
@@ -17,21 +16,7 @@
 namespace tern {
 namespace {
 
-constexpr int kSingleGroupRows = 2;  // up to this many rows, one group at a time (q5k::group_rows)
-constexpr int kGroupTileRows = 4;  // activation rows sharing each weight load there
-constexpr int kPairTileRows = 8;  // and in pair_rows
-
-struct Vnni256 {
-  static void five_bits(__m256i packed, __m256i lo_fifth, __m256i hi_fifth, __m256i& lo, __m256i& hi) {
-    const __m256i low = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
-    // a | (b & c): one vpternlogd (0xF8)
-    lo = _mm256_ternarylogic_epi32(_mm256_and_si256(packed, low), lo_fifth, fifth, 0xF8);
-    hi = _mm256_ternarylogic_epi32(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low), hi_fifth, fifth, 0xF8);
-  }
-  static __m256i dot(__m256i acc, __m256i lo, __m256i hi, __m256i x_lo, __m256i x_hi) {
-    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, lo, x_lo), hi, x_hi);
-  }
-};
+constexpr int kPairTileRows = 8;  // activation rows sharing each weight load
 
 // out[m, rows n0..n0+15] for MB activation rows against groups wa (rows n0..n0+7) and wb (n0+8..n0+15): q5k_rows.h's
 // steps in 16 lanes. The results wait in memory during the dots, which leaves registers for 8 rows a tile.
@@ -94,27 +79,9 @@ inline void pair_rows(const Q5KProblem& p, int64_t m0, const uint8_t* wa, const 
   for (int m = 0; m < MB; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, _mm512_load_ps(result[m]), p.out_bf16);
 }
 
-// Groups [g0, g1) one at a time (q5k_rows.h), kGroupTileRows activation rows a tile.
-void single_groups(const Q5KProblem& p, int64_t g0, int64_t g1) {
-  const int64_t group_stride = p.x->blocks * kQ5KSuperBytes;  // 8 rows, all of K
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* wg = p.w + g * group_stride;
-    bool first = true;
-    for (int64_t m = 0; m < p.M; m += kGroupTileRows, first = false) {
-      switch (std::min<int64_t>(kGroupTileRows, p.M - m)) {
-        case 1: q5k::group_rows<Vnni256, 1>(p, m, wg, g * kInt4GroupRows, first); break;
-        case 2: q5k::group_rows<Vnni256, 2>(p, m, wg, g * kInt4GroupRows, first); break;
-        case 3: q5k::group_rows<Vnni256, 3>(p, m, wg, g * kInt4GroupRows, first); break;
-        default: q5k::group_rows<Vnni256, kGroupTileRows>(p, m, wg, g * kInt4GroupRows, first); break;
-      }
-    }
-  }
-}
-
 }  // namespace
 
 void q5k_groups_avx512(const Q5KProblem& p, int64_t g0, int64_t g1) {
-  if (p.M <= kSingleGroupRows) return single_groups(p, g0, g1);
   const int64_t group_stride = p.x->blocks * kQ5KSuperBytes;  // 8 rows, all of K
   for (; g0 + 1 < g1; g0 += 2) {
     const uint8_t* wa = p.w + g0 * group_stride;
@@ -131,7 +98,7 @@ void q5k_groups_avx512(const Q5KProblem& p, int64_t g0, int64_t g1) {
       }
     }
   }
-  if (g0 < g1) single_groups(p, g0, g1);  // an odd group left: one group at a time, the same bits
+  if (g0 < g1) q5k_groups_avx2(p, g0, g1);  // an odd group left: the AVX2 kernel, the same bits
 }
 
 }  // namespace tern

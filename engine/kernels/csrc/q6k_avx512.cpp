@@ -8,7 +8,6 @@
 #include "avx512.h"
 #include "kernels.h"
 #include "prefetch.h"
-#include "q6k_rows.h"
 
 #include <immintrin.h>
 
@@ -18,7 +17,6 @@ namespace tern {
 namespace {
 
 constexpr int kTileRows = 8;  // activation rows sharing each weight load
-constexpr int kSingleGroupRows = 2;  // up to this many rows, one group at a time (group_rows)
 
 // Nibble register i's 6-bit values, its low and high nibbles: the top bits of an even i sit at bits 0-1 (low) and
 // 2-3 (high) of the top-bit register's bytes, of an odd i at 4-5 and 6-7; each pair goes to bits 4-5.
@@ -88,35 +86,9 @@ inline void pair_rows(const Q6KProblem& p, int64_t m0, const uint8_t* wa, const 
   for (int m = 0; m < MB; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, _mm512_load_ps(result[m]), p.out_bf16);
 }
 
-// One or two rows: one group at a time in 256-bit registers (q6k_rows.h), with vpdpbusd (AVX512-VL) and one
-// vpternlogd per half.
-struct Vnni256 {
-  static void six_bits(__m256i packed, __m256i highs, bool odd, __m256i& lo, __m256i& hi) {
-    const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
-    lo = _mm256_and_si256(packed, low);
-    hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-    lo = _mm256_ternarylogic_epi32(lo, odd ? highs : _mm256_slli_epi16(highs, 4), top, 0xF8);
-    hi = _mm256_ternarylogic_epi32(hi, odd ? _mm256_srli_epi16(highs, 2) : _mm256_slli_epi16(highs, 2), top, 0xF8);
-  }
-  static __m256i dot(__m256i acc, __m256i lo, __m256i hi, __m256i x_lo, __m256i x_hi) {
-    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, lo, x_lo), hi, x_hi);
-  }
-};
-
 }  // namespace
 
 void q6k_groups_avx512(const Q6KProblem& p, int64_t g0, int64_t g1) {
-  if (p.M <= kSingleGroupRows) {
-    const int64_t group_stride = p.x->blocks * kQ6KSuperBytes;
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* wg = p.w + g * group_stride;
-      switch (p.M) {
-        case 1: q6k::group_rows<Vnni256, 1>(p, 0, wg, g * kInt4GroupRows, true); break;
-        default: q6k::group_rows<Vnni256, 2>(p, 0, wg, g * kInt4GroupRows, true); break;
-      }
-    }
-    return;
-  }
   const int64_t group_stride = p.x->blocks * kQ6KSuperBytes;  // 8 rows, all of K
   for (; g0 + 1 < g1; g0 += 2) {
     const uint8_t* wa = p.w + g0 * group_stride;

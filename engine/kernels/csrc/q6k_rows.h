@@ -1,8 +1,7 @@
-// The q6k matmul's loop over one group of 8 weight rows in 256-bit registers (kernels.h: q6k), written once for the
-// AVX2 kernel (q6k_avx2.cpp: every row count) and the AVX512 one (q6k_avx512.cpp: one or two rows, where one stream
-// of weights reads faster than two groups side by side). `Isa` supplies the two steps that differ: the 6-bit values
-// of a nibble register (six_bits) and the integer dot of 4 activation bytes with them (dot); both give the same
-// integers, so both kernels give the same bits.
+// The q6k matmul's loop over one group of 8 weight rows in 256-bit registers (kernels.h: q6k): the AVX2 kernel
+// (q6k_avx2.cpp) at every row count, and the odd group the AVX512 pair loop (q6k_avx512.cpp) leaves. `Isa` supplies
+// the two instruction-set steps: the 6-bit values of a nibble register (six_bits) and the integer dot of 4 activation
+// bytes with them (dot); they give the integers the AVX512 kernel gives, so both kernels give the same bits.
 #pragma once
 
 #include <immintrin.h>
