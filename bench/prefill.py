@@ -13,12 +13,14 @@ same round (below 1: faster than the first). A baseline checkout: `git worktree 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from trees import alternate, print_result  # noqa: E402  bench/trees.py
 
 
 def child(args) -> None:
@@ -38,7 +40,7 @@ def child(args) -> None:
                 engine.generate([prompt], SamplingParams(max_tokens=1))
                 times.append(time.perf_counter() - started)
             medians[n] = statistics.median(times)
-    print("RESULT " + json.dumps({"path": engine.info().decode_step, "medians": medians}))
+    print_result({"path": engine.info().decode_step, "medians": medians})
 
 
 def main() -> None:
@@ -55,21 +57,16 @@ def main() -> None:
         return child(args)
     trees = [tree.resolve() for tree in args.trees]
     print(f"prefill, median of {args.reps} prompts per length, seconds (ratio to {trees[0]})")
-    for round_ in range(args.rounds):
-        order = trees if round_ % 2 == 0 else trees[::-1]
-        results = {}
-        for tree in order:
-            command = [sys.executable, str(Path(__file__).resolve()), "--child", "--reps", str(args.reps),
-                       "--tokens", *map(str, args.tokens)] + (["--model", args.model] if args.model else []) \
-                + (["--quantization", args.quantization] if args.quantization else [])
-            output = subprocess.run(command, cwd=tree, capture_output=True, text=True, check=True).stdout
-            results[tree] = json.loads(output.split("RESULT ", 1)[1])
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", "--reps", str(args.reps),
+               "--tokens", *map(str, args.tokens)] + (["--model", args.model] if args.model else []) \
+        + (["--quantization", args.quantization] if args.quantization else [])
+    for round_, results in alternate(trees, args.rounds, command):
         base = results[trees[0]]["medians"]
         for tree in trees:
             result = results[tree]
             cells = [f"{n} tokens {result['medians'][str(n)]:.2f} s ({result['medians'][str(n)] / base[str(n)]:.2f}x)"
                      for n in args.tokens]
-            print(f"round {round_ + 1} | {tree.name or tree} ({result['path']}) | " + " | ".join(cells))
+            print(f"round {round_} | {tree.name or tree} ({result['path']}) | " + " | ".join(cells))
 
 
 if __name__ == "__main__":
