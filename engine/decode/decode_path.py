@@ -64,7 +64,7 @@ def plan_decode_path(config: EngineConfig, loaded: LoadedModel, kv_cache: KVCach
             problem = "the CPU attention kernel does not serve this KV cache"
         if problem is None:
             step = "native"
-            reasons.append(f"the C++ step serves {quantization} weights on the {loaded.kernels.path} kernels")
+            reasons.append(f"the C++ step serves {loaded.describe_kind()} on the {loaded.kernels.path} kernels")
         else:
             reasons.append(f"the native step: {problem}")
     if step != "native":

@@ -64,6 +64,7 @@ class _BlockLinear(nn.Module):
     tests and devices without them. `PACKED_BYTES` is (bytes, values): a row of K values takes K * bytes / values."""
 
     PACKED_BYTES: tuple[int, int]
+    LAYOUT: str  # the layout's name in engine/kernels/layouts.py and in the logs
     dequantize: Callable[[torch.Tensor], torch.Tensor]
 
     def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -94,6 +95,7 @@ class Int4Linear(_BlockLinear):
     """4-bit weights, w = d * q + m per 32 values of a row (GGUF's Q4_1), held in layouts.pack_int4's layout."""
 
     PACKED_BYTES = (5, 8)
+    LAYOUT = "int4"
     dequantize = staticmethod(layouts.dequantize_int4)
 
 
@@ -106,6 +108,7 @@ class Q4Linear(_BlockLinear):
     in layouts.pack_q4's layout: a Q4_0 file's own bytes per value, 10% fewer than Int4Linear's."""
 
     PACKED_BYTES = (9, 16)
+    LAYOUT = "q4"
     dequantize = staticmethod(layouts.dequantize_q4)
 
 
@@ -118,6 +121,7 @@ class Q4KLinear(_BlockLinear):
     and fp16 d and dmin per 256, held in layouts.pack_q4k's layout: a Q4_K file's own bytes and values."""
 
     PACKED_BYTES = (9, 16)
+    LAYOUT = "q4k"
     dequantize = staticmethod(layouts.dequantize_q4k)
 
 
@@ -131,6 +135,7 @@ class Q5KLinear(_BlockLinear):
     layouts.pack_q5k's layout: a Q5_K file's own bytes and values."""
 
     PACKED_BYTES = (11, 16)
+    LAYOUT = "q5k"
     dequantize = staticmethod(layouts.dequantize_q5k)
 
 
@@ -144,6 +149,7 @@ class Q6KLinear(_BlockLinear):
     256, held in layouts.pack_q6k's layout: a Q6_K file's own bytes and values."""
 
     PACKED_BYTES = (105, 128)
+    LAYOUT = "q6k"
     dequantize = staticmethod(layouts.dequantize_q6k)
 
 
@@ -157,6 +163,7 @@ class Q8Linear(_BlockLinear):
     layout."""
 
     PACKED_BYTES = (17, 16)
+    LAYOUT = "q8"
     dequantize = staticmethod(layouts.dequantize_q8)
 
 
@@ -186,6 +193,7 @@ class _BlockEmbedding(nn.Module):
     lm_head is tied to. `rows` reads rows `ids` of the layout as float32."""
 
     PACKED_BYTES: tuple[int, int]
+    LAYOUT: str
     rows: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
     def __init__(self, weight_packed: torch.Tensor, padding_idx: int | None = None,
@@ -204,31 +212,37 @@ class _BlockEmbedding(nn.Module):
 
 class Int4Embedding(_BlockEmbedding):
     PACKED_BYTES = Int4Linear.PACKED_BYTES
+    LAYOUT = Int4Linear.LAYOUT
     rows = staticmethod(layouts.int4_rows)
 
 
 class Q4Embedding(_BlockEmbedding):
     PACKED_BYTES = Q4Linear.PACKED_BYTES
+    LAYOUT = Q4Linear.LAYOUT
     rows = staticmethod(layouts.q4_rows)
 
 
 class Q4KEmbedding(_BlockEmbedding):
     PACKED_BYTES = Q4KLinear.PACKED_BYTES
+    LAYOUT = Q4KLinear.LAYOUT
     rows = staticmethod(layouts.q4k_rows)
 
 
 class Q5KEmbedding(_BlockEmbedding):
     PACKED_BYTES = Q5KLinear.PACKED_BYTES
+    LAYOUT = Q5KLinear.LAYOUT
     rows = staticmethod(layouts.q5k_rows)
 
 
 class Q6KEmbedding(_BlockEmbedding):
     PACKED_BYTES = Q6KLinear.PACKED_BYTES
+    LAYOUT = Q6KLinear.LAYOUT
     rows = staticmethod(layouts.q6k_rows)
 
 
 class Q8Embedding(_BlockEmbedding):
     PACKED_BYTES = Q8Linear.PACKED_BYTES
+    LAYOUT = Q8Linear.LAYOUT
     rows = staticmethod(layouts.q8_rows)
 
 

@@ -54,9 +54,16 @@ class LoadedModel:
         return 2 * self.num_parameters
 
     def describe_weights(self) -> str:
-        """E.g. `int8 weights: 136 MB (0.50x bf16)`, for the start-up log and the UI."""
+        """E.g. `weights in int4, q8: 115 MB (0.42x bf16)` or `bnb-nf4 weights: ...`, for the start-up log and
+        the UI."""
         ratio = self.weight_bytes / max(self.bf16_weight_bytes, 1)
-        return f"{self.quantization} weights: {self.weight_bytes / 1e6:.0f} MB ({ratio:.2f}x bf16)"
+        return f"{self.describe_kind()}: {self.weight_bytes / 1e6:.0f} MB ({ratio:.2f}x bf16)"
+
+    def describe_kind(self) -> str:
+        """What the weights are held as: Tern's block layouts where they are used, most bytes first (a GGUF's
+        K-quants are neither `int8` nor `int4`, whatever `auto` resolved to), else the quantization mode."""
+        layouts = sizes.block_layouts(self.model)
+        return f"weights in {', '.join(layouts)}" if layouts else f"{self.quantization} weights"
 
 
 def choose_device(device: str) -> torch.device:

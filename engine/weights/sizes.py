@@ -46,3 +46,16 @@ def weight_bytes(model: nn.Module) -> int:
     # Tied weights (and an int8 lm_head sharing the embedding's matrix) are one tensor: count it once.
     unique = {(t.device, t.data_ptr(), t.dtype, t.numel()): t.numel() * t.element_size() for t in tensors.values()}
     return sum(unique.values())
+
+
+def block_layouts(model: nn.Module) -> list[str]:
+    """The block layouts (engine/kernels/layouts.py) the model's weights are held in, most bytes first: what a GGUF's
+    types became, e.g. ["q5k", "q6k"] for a Q5_K_M file."""
+    held: dict[str, int] = {}
+    seen = set()  # a tied lm_head and its embedding are one matrix
+    for module in model.modules():
+        layout, weight = getattr(module, "LAYOUT", None), getattr(module, "weight_packed", None)
+        if layout is not None and isinstance(weight, torch.Tensor) and id(weight) not in seen:
+            seen.add(id(weight))
+            held[layout] = held.get(layout, 0) + weight.numel() * weight.element_size()
+    return sorted(held, key=held.get, reverse=True)

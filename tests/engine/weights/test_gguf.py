@@ -398,6 +398,11 @@ def test_a_quantized_gguf_takes_the_files_size_in_memory(tmp_path, name):
                   "Q4_K_M": [kernels.q4k_mm, kernels.q6k_mm], "Q5_K_M": [kernels.q5k_mm, kernels.q6k_mm]}[name]
         if kernels.path != "off" and None not in needed:
             assert engine.loaded.weight_bytes == tensor_bytes
+            # The log and /v1/models name what the weights are held in, not the mode `auto` resolved to.
+            held = {"Q4_0": {"q4"}, "Q4_K": {"q4k"}, "Q5_K": {"q5k"}, "Q6_K": {"q6k"}, "Q4_K_M": {"q4k", "q6k"},
+                    "Q5_K_M": {"q5k", "q6k"}}[name]
+            kind, _ = engine.info().weights.split(": ", 1)
+            assert kind.startswith("weights in ") and set(kind.removeprefix("weights in ").split(", ")) == held
         [completion] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         assert len(completion.choices[0].token_ids) == 4
     finally:
