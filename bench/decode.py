@@ -10,7 +10,6 @@ Ratio: a tree's rate over the first tree's in the same round (above 1: faster th
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -18,7 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trees import alternate, print_result  # noqa: E402  bench/trees.py
+from trees import alternate, child_command, print_result  # noqa: E402  bench/trees.py
+from trees import parser as trees_parser  # noqa: E402
 
 STREAMS = 16
 
@@ -49,20 +49,14 @@ def child(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trees", type=Path, nargs="+", default=[Path(".")], help="source trees; the first is the baseline")
-    parser.add_argument("--model", help="checkpoint folder or .gguf (default: the default model)")
+    parser = trees_parser(__doc__, reps=2)
     parser.add_argument("--tokens", type=int, default=128, help="one stream's tokens; each of 16 streams decodes half")
-    parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args)
     trees = [tree.resolve() for tree in args.trees]
     print(f"decode, output tokens/s, median of {args.reps} runs per round (ratio to {trees[0]})")
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", "--reps", str(args.reps),
-               "--tokens", str(args.tokens)] + (["--model", args.model] if args.model else [])
+    command = child_command(__file__, args, "--tokens", str(args.tokens))
     for round_, results in alternate(trees, args.rounds, command):
         base = results[trees[0]]["rates"]
         for tree in trees:

@@ -12,7 +12,6 @@ same round (below 1: faster than the first). A baseline checkout: `git worktree 
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -20,7 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from trees import alternate, print_result  # noqa: E402  bench/trees.py
+from trees import alternate, child_command, print_result  # noqa: E402  bench/trees.py
+from trees import parser as trees_parser  # noqa: E402
 
 
 def child(args) -> None:
@@ -44,22 +44,16 @@ def child(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trees", type=Path, nargs="+", default=[Path(".")], help="source trees; the first is the baseline")
-    parser.add_argument("--model", help="checkpoint folder or .gguf (default: the default model)")
+    parser = trees_parser(__doc__, reps=3)
     parser.add_argument("--quantization", help="instead of the server's (auto), e.g. none: bf16 on AVX512-BF16 CPUs")
     parser.add_argument("--tokens", type=int, nargs="+", default=[200, 1500])
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args)
     trees = [tree.resolve() for tree in args.trees]
     print(f"prefill, median of {args.reps} prompts per length, seconds (ratio to {trees[0]})")
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", "--reps", str(args.reps),
-               "--tokens", *map(str, args.tokens)] + (["--model", args.model] if args.model else []) \
-        + (["--quantization", args.quantization] if args.quantization else [])
+    command = child_command(__file__, args, "--tokens", *map(str, args.tokens),
+                            *(["--quantization", args.quantization] if args.quantization else []))
     for round_, results in alternate(trees, args.rounds, command):
         base = results[trees[0]]["medians"]
         for tree in trees:

@@ -5,12 +5,31 @@ Used by bench/prefill.py and bench/decode.py; a baseline tree is a checkout of a
 """
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator
 
 RESULT_MARK = "RESULT "  # the child prints one line: RESULT <json>
+
+
+def parser(description: str, reps: int) -> argparse.ArgumentParser:
+    """The arguments every trees bench takes; the bench adds its own."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trees", type=Path, nargs="+", default=[Path(".")], help="source trees; the first is the baseline")
+    parser.add_argument("--model", help="checkpoint folder or .gguf (default: the default model)")
+    parser.add_argument("--reps", type=int, default=reps, help="measurements per tree and round")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def child_command(script: str, args: argparse.Namespace, *extra: str) -> list[str]:
+    """`script` (a bench's __file__) as the child of one tree: --reps and --model passed on, then `extra`."""
+    return [sys.executable, str(Path(script).resolve()), "--child", "--reps", str(args.reps)] \
+        + (["--model", args.model] if args.model else []) + list(extra)
 
 
 def print_result(result: dict) -> None:
