@@ -1,9 +1,10 @@
 // The q5k matmul's loop over one group of 8 weight rows in 256-bit registers (kernels.h: q5k): the AVX2 kernel
 // (q5k_avx2.cpp) at every row count, and the odd group the AVX512 pair loop (q5k_avx512.cpp) leaves. `Isa` supplies
 // the two instruction-set steps: a nibble register's 5-bit values (five_bits) and the integer dot of 4 activation
-// bytes with them (dot); they give the integers the AVX512 kernel gives, so both kernels give the same bits. The scales, minimums and float steps are q4k's (int4_avx2.cpp:
-// q4k_group_rows): per super-block the dots, each row's isum += s_j * dot_j in integers and one float step; then the
-// minimums as vpmaddwd over int16 pairs and the second float step.
+// bytes with them (dot); they give the integers the AVX512 kernel gives, so both kernels give the same bits. The
+// scales, minimums and float steps are q4k's (int4_avx2.cpp: q4k_group_rows): per super-block the dots, each row's
+// isum += s_j * dot_j in integers and one float step; then the minimums as vpmaddwd over int16 pairs and the second
+// float step.
 #pragma once
 
 #include <immintrin.h>

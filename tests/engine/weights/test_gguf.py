@@ -398,7 +398,7 @@ def test_a_quantized_gguf_takes_the_files_size_in_memory(tmp_path, name):
                   "Q4_K_M": [kernels.q4k_mm, kernels.q6k_mm], "Q5_K_M": [kernels.q5k_mm, kernels.q6k_mm]}[name]
         if kernels.path != "off" and None not in needed:
             assert engine.loaded.weight_bytes == tensor_bytes
-            # The log and /v1/models name what the weights are held in, not the mode `auto` resolved to.
+            # The log and the UI name what the weights are held in, not the mode `auto` resolved to.
             held = {"Q4_0": {"q4"}, "Q4_K": {"q4k"}, "Q5_K": {"q5k"}, "Q6_K": {"q6k"}, "Q4_K_M": {"q4k", "q6k"},
                     "Q5_K_M": {"q5k", "q6k"}}[name]
             kind, _ = engine.info().weights.split(": ", 1)
