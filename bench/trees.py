@@ -18,7 +18,8 @@ RESULT_MARK = "RESULT "  # the child prints one line: RESULT <json>
 def parser(description: str, reps: int) -> argparse.ArgumentParser:
     """The arguments every trees bench takes; the bench adds its own."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trees", type=Path, nargs="+", default=[Path(".")], help="source trees; the first is the baseline")
+    parser.add_argument("--trees", type=Path, nargs="+", default=[Path(".")],
+                        help="source trees; the first is the baseline")
     parser.add_argument("--model", help="checkpoint folder or .gguf (default: the default model)")
     parser.add_argument("--reps", type=int, default=reps, help="measurements per tree and round")
     parser.add_argument("--rounds", type=int, default=2)

@@ -2,8 +2,8 @@
 // where little arithmetic hides the memory's latency.
 //
 // The loops over two groups of 8 rows side by side (every AVX512 matmul loop: int4_avx512.cpp, q8_avx512.cpp,
-// q5k_avx512.cpp, q6k_avx512.cpp) read two streams at once, and the hardware prefetcher alone ran too little ahead of them: a 2-core
-// AMD EPYC AVX512 VM read a 1B model's q4 layers at 22-30 GB/s (its K = 2048 rows make streams of 9 KB) and large
+// q5k_avx512.cpp, q6k_avx512.cpp) read two streams at once, and the hardware prefetcher alone ran too little ahead
+// of them: a 2-core AMD EPYC AVX512 VM read a 1B model's q4 layers at 22-30 GB/s (its K = 2048 rows make streams of 9 KB) and large
 // matrices at 34-42. Each step of those loops now also asks for the lines kL2AheadBytes ahead into L2: 29-31 and
 // 41-52 GB/s, 0.72-0.90x the time in one process alternated, and one stream of the 1B Q4_0 file decoded at 61 tok/s
 // instead of 45. Anywhere from 3.5 to 18 KB ahead did the same, 2.3 KB less; the far lines asked into L1 instead
