@@ -181,7 +181,7 @@ def build_parser(**kwargs) -> argparse.ArgumentParser:
         description="Tern: an LLM server with an OpenAI-compatible API at /v1 and a web UI at /. "
         "Every flag can also be set with the TERN_* environment variable named in its help.",
         epilog=f"CPU kernels on this machine: {kernels.describe_path(path)}; {why}. "
-        f"{kernels.ENV_VAR}=avx512|avx2|off forces a path.", **kwargs,
+        f"{kernels.ENV_VAR}=amx|avx512|avx2|off forces a path.", **kwargs,
     )
     add_flags(parser, SERVER_FLAGS, ServerSettings())
     add_flags(parser, ENGINE_FLAGS, EngineConfig.serving())

@@ -30,6 +30,8 @@ ISA_FLAGS = {
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
     "avx512": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
     "avx512_bf16": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
+    "amx": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile",
+            "-mamx-int8"),
 }
 # Source file -> the instruction set it is compiled for. Headers are hashed too (they change what compiles).
 KERNEL_SOURCES = {
@@ -46,6 +48,7 @@ KERNEL_SOURCES = {
     "q8_avx512.cpp": "avx512",
     "decode_attention_avx512.cpp": "avx512",
     "bf16_avx512.cpp": "avx512_bf16",
+    "q4k_amx.cpp": "amx",
 }
 
 OPS_ISA = "avx2"  # ops.cpp (the torch bindings and the native decode step): every kernel path needs AVX2

@@ -1,15 +1,18 @@
 """Which of Tern's CPU kernels run in this process, and why: decided once from the CPU's features.
 
 Paths, best first:
+- `amx`: `avx512`'s kernels, with Intel's AMX tile multiplies where a kernel has them (q4k, batches of 32 rows and
+  more), where the CPU has AMX-INT8 and Linux grants the process its tile state;
 - `avx512`: int8 and int4 by AVX512-VNNI, decode attention in 16-float registers, bf16 by AVX512-BF16 where the CPU has it;
 - `avx2`: int8 by vpmaddubsw (the same bits as VNNI), decode attention in 8-float registers;
 - `off`: aten's own ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) and matmul attention.
-TERN_CPU_KERNELS=avx512|avx2|off forces a path (the
+TERN_CPU_KERNELS=amx|avx512|avx2|off forces a path (the
 tests run each path the CPU supports); a forced path the CPU lacks falls back to the best it has, with a warning.
 ARM (NEON, dot-product) has no path yet: nothing here could measure or test one, so ARM CPUs take `off`.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import platform
@@ -25,11 +28,13 @@ from engine.kernels import build
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "TERN_CPU_KERNELS"
-PATHS = ("avx512", "avx2", "off")  # best first
+PATHS = ("amx", "avx512", "avx2", "off")  # best first
 # CPU flags (as /proc/cpuinfo names them) each path needs, and the instruction sets of kernel files it loads.
 REQUIRED_FLAGS = {
     "avx2": ("avx2", "fma", "f16c"),
     "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+    # avx512's kernels, with Intel's AMX tile multiplies where a kernel has them (q4k_amx.cpp)
+    "amx": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"),
 }
 BF16_FLAG = "avx512_bf16"
 
@@ -74,9 +79,12 @@ def describe_path(path: str) -> str:
     if path == "off":
         parts = {"int8": "aten", "int4": "aten", "q8": "aten", "bf16": "aten", "decode attention": "matmul"}
     else:
-        bf16 = "avx512-bf16" if path == "avx512" and BF16_FLAG in cpu_flags() else "aten"
-        vnni = "avx512-vnni" if path == "avx512" else "avx2"
-        parts = {"int8": vnni, "int4": vnni, "q8": vnni, "bf16": bf16, "decode attention": path}
+        avx512 = path in ("avx512", "amx")
+        bf16 = "avx512-bf16" if avx512 and BF16_FLAG in cpu_flags() else "aten"
+        vnni = "avx512-vnni" if avx512 else "avx2"
+        parts = {"int8": vnni, "int4": vnni, "q8": vnni, "bf16": bf16, "decode attention": "avx512" if avx512 else path}
+        if path == "amx":
+            parts["q4k"] = "amx-int8"
     return f"{path} ({', '.join(f'{kind}: {impl}' for kind, impl in parts.items())})"
 
 
@@ -103,7 +111,19 @@ def unsupported_reason(path: str) -> str | None:
         return f"this CPU lacks {', '.join(missing)}"
     if build.compiler() is None:
         return "no C++ compiler (g++) to build the kernels"
+    if path == "amx" and not _linux_grants_amx():
+        return "Linux refuses this process AMX's tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
     return None
+
+
+def _linux_grants_amx() -> bool:
+    """Ask Linux for AMX's tile data state, which it hands a process only when asked (a tile instruction before
+    that faults); asking again where granted is harmless, and the grant is the whole process's."""
+    arch_prctl, req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18  # x86-64 syscall number, asm/prctl.h
+    try:
+        return ctypes.CDLL(None, use_errno=True).syscall(arch_prctl, req_xcomp_perm, xfeature_xtiledata) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def requested_path() -> str:
@@ -148,13 +168,15 @@ def kernels_for(path: str, cache_dir: Path, reason: str = "") -> CpuKernels:
         raise KernelsUnavailable(problem)
     _load_library(cache_dir)
     ops = torch.ops.tern
-    bf16 = getattr(ops, "bf16_mm_avx512", None) if path == "avx512" and BF16_FLAG in cpu_flags() else None
-    return CpuKernels(path, reason or "asked for", q8_mm=getattr(ops, f"q8_mm_{path}"),
-                      int4_mm=getattr(ops, f"int4_mm_{path}"), q4_mm=getattr(ops, f"q4_mm_{path}"),
-                      q4k_mm=ops.q4k_mm_avx512 if path == "avx512" else None, q5k_mm=getattr(ops, f"q5k_mm_{path}"),
-                      q6k_mm=getattr(ops, f"q6k_mm_{path}"),
+    isa = "avx512" if path == "amx" else path  # amx: avx512's ops but q4k's
+    bf16 = getattr(ops, "bf16_mm_avx512", None) if isa == "avx512" and BF16_FLAG in cpu_flags() else None
+    q4k = {"amx": getattr(ops, "q4k_mm_amx", None), "avx512": ops.q4k_mm_avx512}.get(path)
+    return CpuKernels(path, reason or "asked for", q8_mm=getattr(ops, f"q8_mm_{isa}"),
+                      int4_mm=getattr(ops, f"int4_mm_{isa}"), q4_mm=getattr(ops, f"q4_mm_{isa}"),
+                      q4k_mm=q4k, q5k_mm=getattr(ops, f"q5k_mm_{isa}"),
+                      q6k_mm=getattr(ops, f"q6k_mm_{isa}"),
                       bf16_mm=bf16,
-                      decode_attention=getattr(ops, f"decode_attention_{path}"), gguf_repack=ops.gguf_repack)
+                      decode_attention=getattr(ops, f"decode_attention_{isa}"), gguf_repack=ops.gguf_repack)
 
 
 def prebuild(cache_dir: Path) -> None:
@@ -189,6 +211,8 @@ def _build_and_load(cache_dir: Path) -> None:
         isas.append("avx512")
         if BF16_FLAG in flags:
             isas.append("avx512_bf16")
+        if unsupported_reason("amx") is None:
+            isas.append("amx")
     try:
         build.load_library(tuple(isas), cache_dir)
     except build.BuildError as exc:
@@ -206,7 +230,7 @@ def _register_fakes() -> None:
 
     for names, shape in ((("q8_mm_avx2", "q8_mm_avx512", "int4_mm_avx2", "int4_mm_avx512", "q4_mm_avx2", "q4_mm_avx512",
                            "q4k_mm_avx2", "q4k_mm_avx512", "q5k_mm_avx2", "q5k_mm_avx512",
-                           "q6k_mm_avx2", "q6k_mm_avx512", "bf16_mm_avx512"),
+                           "q6k_mm_avx2", "q6k_mm_avx512", "bf16_mm_avx512", "q4k_mm_amx"),
                           matmul_shape),
                          (("decode_attention_avx2", "decode_attention_avx512"), attention_shape)):
         for name in names:

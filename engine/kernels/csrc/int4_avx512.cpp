@@ -157,11 +157,13 @@ inline void q4k_pair_rows(const Q4KProblem& p, int64_t m0, const uint8_t* wa, co
   for (int m = 0; m < MB; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, _mm512_load_ps(result[m]), p.out_bf16);
 }
 
-void q4k_groups(const Q4KProblem& p, int64_t g0, int64_t g1) {
+}  // namespace
+
+void q4k_pairs_avx512(const Q4KProblem& p, int64_t m0, int64_t g0, int64_t g1) {
   const int64_t group_stride = p.x->blocks * kQ4KSuperBytes;  // 8 rows, all of K
   for (; g0 + 1 < g1; g0 += 2) {
     const uint8_t* wa = p.w + g0 * group_stride;
-    for (int64_t m = 0; m < p.M; m += kQ4KTileRows) {
+    for (int64_t m = m0; m < p.M; m += kQ4KTileRows) {
       switch (std::min<int64_t>(kQ4KTileRows, p.M - m)) {
         case 1: q4k_pair_rows<1>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
         case 2: q4k_pair_rows<2>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
@@ -174,12 +176,13 @@ void q4k_groups(const Q4KProblem& p, int64_t g0, int64_t g1) {
       }
     }
   }
-  if (g0 < g1) q4k_groups_avx2(p, g0, g1);  // an odd group left: the AVX2 kernel, the same bits
 }
 
-}  // namespace
-
-void q4k_groups_avx512(const Q4KProblem& p, int64_t g0, int64_t g1) { q4k_groups(p, g0, g1); }
+void q4k_groups_avx512(const Q4KProblem& p, int64_t g0, int64_t g1) {
+  const int64_t paired_end = g0 + (g1 - g0) / 2 * 2;
+  q4k_pairs_avx512(p, 0, g0, paired_end);
+  if (paired_end < g1) q4k_groups_avx2(p, paired_end, g1);  // an odd group left: the AVX2 kernel, the same bits
+}
 
 void int4_groups_avx512(const Int4Problem& p, int64_t g0, int64_t g1) { groups<false>(p, g0, g1); }
 

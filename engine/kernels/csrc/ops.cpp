@@ -175,6 +175,9 @@ TORCH_LIBRARY(tern, m) {
 #ifdef TERN_WITH_AVX512_BF16
   m.def("bf16_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
 #endif
+#ifdef TERN_WITH_AMX
+  m.def("q4k_mm_amx(Tensor x, Tensor w_packed) -> Tensor");
+#endif
 }
 
 TORCH_LIBRARY_FRAGMENT(tern, m) {
@@ -203,5 +206,8 @@ TORCH_LIBRARY_IMPL(tern, CPU, m) {
 #endif
 #ifdef TERN_WITH_AVX512_BF16
   m.impl("bf16_mm_avx512", &tern::bf16_mm);
+#endif
+#ifdef TERN_WITH_AMX
+  m.impl("q4k_mm_amx", &tern::int4_mm<tern::q4k_groups_amx, tern::kQ4GroupBytes, tern::kQ4KActivations>);
 #endif
 }

@@ -26,8 +26,10 @@ def test_auto_takes_the_best_path_this_cpu_supports_and_says_why_not_a_better_on
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
     path, why = kernels.planned_path()
     assert path == _best_path()
-    if path != "avx512":
-        assert "avx512: this CPU lacks" in why or "avx512:" in why
+    if path != kernels.PATHS[0]:  # a better path exists: why not it
+        assert f"{kernels.PATHS[0]}: " in why
+    else:
+        assert why == "the best this CPU supports"
 
 
 @pytest.mark.parametrize("forced", kernels.PATHS)
@@ -57,11 +59,27 @@ def test_a_path_the_cpu_lacks_is_refused_with_the_missing_flags(monkeypatch):
     monkeypatch.setattr(dispatch, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma"}))  # no f16c, no avx512
     assert kernels.unsupported_reason("avx2") == "this CPU lacks f16c"
     assert "avx512f" in kernels.unsupported_reason("avx512")
+    assert "amx_tile, amx_int8" in kernels.unsupported_reason("amx")
     with pytest.raises(kernels.KernelsUnavailable, match="lacks f16c"):
         kernels.kernels_for("avx2", Path("/nonexistent"))
     monkeypatch.setattr(dispatch.platform, "machine", lambda: "aarch64")
     assert "aarch64 CPUs have no Tern kernels yet" in kernels.unsupported_reason("avx2")
     assert kernels.planned_path("auto")[0] == "off"
+
+
+def test_amx_needs_linux_to_grant_the_tile_state(monkeypatch):
+    """A CPU with AMX whose kernel (or hypervisor) refuses the process AMX's tile state takes avx512, saying why;
+    where granted, the path says which kernels use the tiles."""
+    amx_cpu = frozenset(dispatch.REQUIRED_FLAGS["amx"])
+    monkeypatch.setattr(dispatch, "cpu_flags", lambda: amx_cpu)
+    monkeypatch.setattr(dispatch.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(dispatch, "_linux_grants_amx", lambda: False)
+    assert "Linux refuses" in kernels.unsupported_reason("amx")
+    path, why = kernels.planned_path("auto")
+    assert path == "avx512" and "amx: Linux refuses" in why
+    monkeypatch.setattr(dispatch, "_linux_grants_amx", lambda: True)
+    assert kernels.planned_path("auto") == ("amx", "the best this CPU supports")
+    assert "q4k: amx-int8" in dispatch.describe_path("amx") and "amx" not in dispatch.describe_path("avx512")
 
 
 def test_a_failed_build_falls_back_to_aten_with_the_compilers_reason(monkeypatch, caplog, tmp_path):
@@ -122,7 +140,7 @@ def test_help_names_the_kernel_path_and_how_to_force_one():
         text = " ".join(result.stdout.split())
         expected = "off" if forced == "off" else _best_path()
         assert f"CPU kernels on this machine: {expected} (int8:" in text
-        assert "TERN_CPU_KERNELS=avx512|avx2|off" in text
+        assert "TERN_CPU_KERNELS=amx|avx512|avx2|off" in text
 
 
 # A build that cannot happen, each in a fresh process (a process builds and loads the library once): `select` takes

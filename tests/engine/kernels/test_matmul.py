@@ -111,6 +111,23 @@ def test_q4k_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows):
         assert torch.equal(out, reference.q4k_matmul(x, *parts)), (n, k)
 
 
+@pytest.mark.parametrize("rows", [1, 16, 48])
+def test_q4k_kernel_is_exact_at_the_largest_integers(path_kernels, rows):
+    """Activations at full scale against the largest nibbles and 6-bit scales, in odd mixtures: each super-block's
+    integer sum near its bound (31M, past what fp32 holds exactly), where a kernel summing it in floats would
+    round (the AMX kernel sums four sub-blocks at a time in fp32, exact below 2^24)."""
+    q4k_mm = require(_q4k_kernel(path_kernels), "q4k")
+    generator = torch.Generator().manual_seed(7)
+    n, k = 32, 512
+    q = torch.randint(14, 16, (n, k), dtype=torch.uint8, generator=generator)
+    scale = torch.randint(61, 64, (n, k // 32), dtype=torch.uint8, generator=generator)
+    minimum = torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=generator)
+    d, dmin = torch.full((n, k // 256), 1e-3).half(), torch.full((n, k // 256), 1e-3).half()
+    x = torch.ones(rows, k) + torch.randint(0, 2, (rows, k), generator=generator) * 1e-2  # quantize to 125-127
+    parts = (q, scale, minimum, d, dmin)
+    assert torch.equal(q4k_mm(x, layouts.pack_q4k(*parts)), reference.q4k_matmul(x, *parts))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", ROWS)
 def test_q6k_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows):
