@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/kernels.py [--rows 1 16 256] [--reps 5] [--path avx2]
     .venv/bin/python bench/kernels.py --stack 1b --rows 1 16 128 --reps 7    # the 4-bit layouts on 1B shapes
-    .venv/bin/python bench/kernels.py --stack 1b --rows 16 32 256 --path amx   # q4k on AMX against AVX512's
+    .venv/bin/python bench/kernels.py --stack 1b --rows 16 32 256 --path amx   # q4, q4k on AMX against AVX512's
 
 The default stack is one decode step's matmuls of SmolLM2-135M: 30 layers of qkv (960x576), o (576x576), gate_up
 (3072x576) and down (576x1536), then the lm_head (49152x576); `--stack 1b` is 4 layers of Llama-3.2-1B's (qkv
@@ -70,13 +70,13 @@ def candidates(cpu: kernels.CpuKernels) -> dict[str, callable]:
         weights = [torch.randn(n, k) for n, k in SHAPES]
         return lambda xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights]
 
-    def tern_4bit(layout: str, q4k_mm=cpu.q4k_mm):  # the same nibbles in each 4-bit layout
+    def tern_4bit(layout: str, q4_mm=cpu.q4_mm, q4k_mm=cpu.q4k_mm):  # the same nibbles in each 4-bit layout
         def build():
             weights = []
             for n, k in SHAPES:
                 q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
                 if layout == "q4":
-                    weights.append((layouts.pack_q4(q, torch.rand(n, k // 32).half()), k, cpu.q4_mm))
+                    weights.append((layouts.pack_q4(q, torch.rand(n, k // 32).half()), k, q4_mm))
                 elif layout == "q4k":
                     levels = [torch.randint(0, 64, (n, k // 32), dtype=torch.uint8) for _ in range(2)]
                     scales = [torch.rand(n, k // 256).half() / 100 for _ in range(2)]
@@ -94,8 +94,9 @@ def candidates(cpu: kernels.CpuKernels) -> dict[str, callable]:
     if SHAPES is STACKS["1b"]:  # the 4-bit layouts against each other; no head
         found = {f"Tern {layout} ({cpu.path})": tern_4bit(layout) for layout in ("int4", "q4", "q4k")
                  if getattr(cpu, f"{layout}_mm") is not None}
-        if cpu.path == "amx":  # its q4k kernel against the avx512 one it replaces
-            found["Tern q4k (avx512)"] = tern_4bit("q4k", torch.ops.tern.q4k_mm_avx512)
+        if cpu.path == "amx":  # its kernels against the avx512 ones they replace
+            found["Tern q4 (avx512)"] = tern_4bit("q4", q4_mm=torch.ops.tern.q4_mm_avx512)
+            found["Tern q4k (avx512)"] = tern_4bit("q4k", q4k_mm=torch.ops.tern.q4k_mm_avx512)
     elif cpu.int4_mm is not None:
         found[f"Tern int4 ({cpu.path})"] = tern_int4
     return found

@@ -48,7 +48,7 @@ KERNEL_SOURCES = {
     "q8_avx512.cpp": "avx512",
     "decode_attention_avx512.cpp": "avx512",
     "bf16_avx512.cpp": "avx512_bf16",
-    "q4k_amx.cpp": "amx",
+    "int4_amx.cpp": "amx",
 }
 
 OPS_ISA = "avx2"  # ops.cpp (the torch bindings and the native decode step): every kernel path needs AVX2

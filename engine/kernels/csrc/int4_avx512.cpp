@@ -76,12 +76,13 @@ inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa, const
   for (int m = 0; m < MB; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, acc[m], p.out_bf16);
 }
 
+// Pairs of groups [g0, g1) (an even count) for activation rows m0.. (kQ4: the q4 layout, else int4).
 template <bool kQ4>
-void groups(const Int4Problem& p, int64_t g0, int64_t g1) {
+void pairs(const Int4Problem& p, int64_t m0, int64_t g0, int64_t g1) {
   const int64_t group_stride = p.x->blocks * (kQ4 ? kQ4GroupBytes : kInt4GroupBytes);  // 8 rows, all of K
   for (; g0 + 1 < g1; g0 += 2) {
     const uint8_t* wa = p.w + g0 * group_stride;
-    for (int64_t m = 0; m < p.M; m += kTileRows) {
+    for (int64_t m = m0; m < p.M; m += kTileRows) {
       switch (std::min<int64_t>(kTileRows, p.M - m)) {
         case 1: pair_rows<kQ4, 1>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
         case 2: pair_rows<kQ4, 2>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
@@ -94,8 +95,14 @@ void groups(const Int4Problem& p, int64_t g0, int64_t g1) {
       }
     }
   }
+}
+
+template <bool kQ4>
+void groups(const Int4Problem& p, int64_t g0, int64_t g1) {
+  const int64_t paired_end = g0 + (g1 - g0) / 2 * 2;
+  pairs<kQ4>(p, 0, g0, paired_end);
   // An odd group left: the AVX2 kernel, the same bits.
-  if (g0 < g1) kQ4 ? q4_groups_avx2(p, g0, g1) : int4_groups_avx2(p, g0, g1);
+  if (paired_end < g1) kQ4 ? q4_groups_avx2(p, paired_end, g1) : int4_groups_avx2(p, paired_end, g1);
 }
 
 // q4k (kernels.h: llama.cpp's Q4_K x Q8_K): out[m, rows n0..n0+15] for MB activation rows against groups wa and wb.
@@ -187,5 +194,7 @@ void q4k_groups_avx512(const Q4KProblem& p, int64_t g0, int64_t g1) {
 void int4_groups_avx512(const Int4Problem& p, int64_t g0, int64_t g1) { groups<false>(p, g0, g1); }
 
 void q4_groups_avx512(const Q4Problem& p, int64_t g0, int64_t g1) { groups<true>(p, g0, g1); }
+
+void q4_pairs_avx512(const Q4Problem& p, int64_t m0, int64_t g0, int64_t g1) { pairs<true>(p, m0, g0, g1); }
 
 }  // namespace tern

@@ -50,6 +50,11 @@ using Q4Problem = Int4Problem;
 constexpr int64_t kQ4GroupBytes = 144;
 void q4_groups_avx2(const Q4Problem& p, int64_t g0, int64_t g1);
 void q4_groups_avx512(const Q4Problem& p, int64_t g0, int64_t g1);
+// Pairs of groups [g0, g1) (an even count) for activation rows m0.. only: what the AMX kernel leaves to AVX512.
+void q4_pairs_avx512(const Q4Problem& p, int64_t m0, int64_t g0, int64_t g1);
+// The same on AMX-INT8 (int4_amx.cpp): tiles of 16 activation rows, the rows past the last full tile as
+// q4_groups_avx512 does them, the same bits. Only once Linux has granted the process the tile state.
+void q4_groups_amx(const Q4Problem& p, int64_t g0, int64_t g1);
 
 // 4-bit weights in GGUF's Q4_K form: per super-block of 256 values of a row an fp16 d and dmin, and per sub-block j
 // of 32 a 6-bit scale s_j and minimum m_j (w = (d * s_j) * q - dmin * m_j), held in the file's own 144 bytes per
@@ -68,7 +73,7 @@ void q4k_groups_avx2(const Q4KProblem& p, int64_t g0, int64_t g1);
 void q4k_groups_avx512(const Q4KProblem& p, int64_t g0, int64_t g1);
 // Pairs of groups [g0, g1) (an even count) for activation rows m0.. only: what the AMX kernel leaves to AVX512.
 void q4k_pairs_avx512(const Q4KProblem& p, int64_t m0, int64_t g0, int64_t g1);
-// The same on AMX-INT8 (q4k_amx.cpp): tiles of 16 activation rows, the rows past the last full tile as
+// The same on AMX-INT8 (int4_amx.cpp): tiles of 16 activation rows, the rows past the last full tile as
 // q4k_groups_avx512 does them, the same bits. Only once Linux has granted the process the tile state (engine/kernels/dispatch.py).
 void q4k_groups_amx(const Q4KProblem& p, int64_t g0, int64_t g1);
 

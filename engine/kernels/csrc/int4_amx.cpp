@@ -1,0 +1,222 @@
+// q4 and q4k (kernels.h: GGUF's Q4_0 and Q4_K) on Intel AMX-INT8 (kernels.h: q4_groups_amx, q4k_groups_amx) for
+// batches of 16 activation rows and more: the AVX512 kernels' integers and float steps (int4_avx512.cpp: pair_rows,
+// q4k_pair_rows), with each block's dots made by one tile multiply. Below, q4k's case; q4's read-back is its AVX512
+// loop's per-block step on the same integer (dot - 8 * sum(xq), then acc += dot * (d * x_scale)).
+//
+// Per pair of groups (16 weight rows) and tile of 16 activation rows, in steps of two (sub-)blocks of 32 columns:
+// tdpbsud multiplies A, the activation rows' 32 int8s (straight from QuantizedRows, stride K), by B, the 16 weight
+// rows' nibbles as bytes. The AVX512 loop's registers `lo` and `hi` are exactly B's rows (row 2r: each weight row's
+// columns 8r..8r+3 in its int32 lane, row 2r + 1: columns 8r+4..8r+7), so B is that loop's loads, ands and shift,
+// stored; the first tile of activation rows unpacks them for all of K, the others reuse them. The 16 x 16 int32
+// dots are the integers the AVX512 loop's vpdpbusd chains make; read back, they sum as isum += s_j * dot_j through
+// fp32, four sub-blocks at a time, exactly: |dot_j| <= 32 * 15 * 127 and s_j <= 63, so four products sum to at most
+// 15.4M < 2^24, which fp32 holds and an FMA rounds to nothing; then into isum as int32 (a vpmulld is 2 uops on
+// port 0 where the convert and FMA take one each on either FMA port). The float steps and the minimums' pass are
+// the AVX512 kernel's: both kernels give the same bits.
+//
+// A tile load waits for the stores it reads until they retire, so the work is pipelined: a step's weights are
+// unpacked a step before their tile loads, its dots stored a step after its multiplies and read back a step after
+// that. Measured (engine/kernels/README.md: amx) against the AVX512 kernels: 0.92-0.93x the time at 16 rows,
+// 0.81-0.87x at 32 to 256. What is left is mostly the read-back, a load, convert and FMA (or multiply) per activation
+// row and block: with a scale per weight row and 32 columns, the dots cannot stay in the tiles for longer.
+#include "avx512.h"
+#include "kernels.h"
+#include "kquant_minimums_avx512.h"
+
+#include <immintrin.h>
+
+#include <vector>
+
+namespace tern {
+namespace {
+
+constexpr int kTileRows = 16;  // activation rows a tile multiply takes (AMX's most)
+constexpr int64_t kBlockTileBytes = 8 * 64;  // tile B: a block's 16 weight rows x 32 columns as bytes
+
+struct TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0 to 3 the dots (16 activation rows x 16 int32: a step's two sub-blocks, even steps in 0 and 1, odd ones
+// in 2 and 3), 4 and 5 the activations (16 rows x 32 int8), 6 and 7 the weights (8 rows of 16 x 4 nibbles as bytes).
+void configure_tiles() {
+  alignas(64) TileConfig config;
+  for (int t = 0; t < 4; ++t) config.rows[t] = kTileRows, config.colsb[t] = 64;
+  for (int t = 4; t < 6; ++t) config.rows[t] = kTileRows, config.colsb[t] = 32;
+  for (int t = 6; t < 8; ++t) config.rows[t] = 8, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+
+// A block's 16 weight rows' nibbles as tile B's 8 rows of bytes (see the header).
+inline void weight_rows(const uint8_t* nibbles_a, const uint8_t* nibbles_b, uint8_t (*rows)[64]) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int r = 0; r < 4; ++r) {
+    const __m512i packed = avx512::two_groups(nibbles_a + 32 * r, nibbles_b + 32 * r);
+    _mm512_storeu_si512(rows[2 * r], _mm512_and_si512(packed, low));
+    _mm512_storeu_si512(rows[2 * r + 1], _mm512_and_si512(_mm512_srli_epi16(packed, 4), low));
+  }
+}
+
+// The tile pipeline over all of K for one tile of activation rows (x: its first) against one pair of groups: steps
+// of two blocks of 32 columns, block c's nibbles at wa + nibbles_at(c) and wb + nibbles_at(c). Step t unpacks step
+// t + 1's weights into `weights` (when `unpack`; else they are there), multiplies its own, stores step t - 1's dots
+// and calls read_back(t - 2, dots): dots[h][m][i] is block 2 (t - 2) + h's dot of activation row m and weight row i
+// (see the header for why the lags).
+template <class NibblesAt, class ReadBack>
+inline void tile_steps(const QuantizedRows& q, const int8_t* x, const uint8_t* wa, const uint8_t* wb, uint8_t* weights,
+                       bool unpack, NibblesAt nibbles_at, ReadBack&& read_back) {
+  auto unpack_step = [&](int64_t t) {
+    for (int64_t c = 2 * t; c < 2 * t + 2; ++c)
+      weight_rows(wa + nibbles_at(c), wb + nibbles_at(c), reinterpret_cast<uint8_t(*)[64]>(weights + c * kBlockTileBytes));
+  };
+  alignas(64) int32_t dots[2][2][kTileRows][16];  // [step % 2][block of the step]
+  const int64_t steps = q.K / (2 * kInt4GroupCols);
+  if (unpack) unpack_step(0);
+  for (int64_t t = 0; t <= steps + 1; ++t) {
+    if (unpack && t + 1 < steps) unpack_step(t + 1);
+    if (t < steps) {  // step t's multiplies: into tiles 0, 1 (even steps) or 2, 3 (odd)
+      const int8_t* xt = x + t * 2 * kInt4GroupCols;
+      const uint8_t* bt = weights + t * 2 * kBlockTileBytes;
+      _tile_loadd(4, xt, q.K);
+      _tile_loadd(6, bt, 64);
+      _tile_loadd(5, xt + kInt4GroupCols, q.K);
+      _tile_loadd(7, bt + kBlockTileBytes, 64);
+      if (t % 2 == 0) {
+        _tile_zero(0);
+        _tile_dpbsud(0, 4, 6);
+        _tile_zero(1);
+        _tile_dpbsud(1, 5, 7);
+      } else {
+        _tile_zero(2);
+        _tile_dpbsud(2, 4, 6);
+        _tile_zero(3);
+        _tile_dpbsud(3, 5, 7);
+      }
+    }
+    if (t >= 1 && t - 1 < steps) {  // step t - 1's dots, done by now, into memory
+      if ((t - 1) % 2 == 0) {
+        _tile_stored(0, dots[0][0], 64);
+        _tile_stored(1, dots[0][1], 64);
+      } else {
+        _tile_stored(2, dots[1][0], 64);
+        _tile_stored(3, dots[1][1], 64);
+      }
+    }
+    if (t >= 2) read_back(t - 2, dots[t % 2]);
+  }
+}
+
+// Sub-block j's 6-bit scales of the 16 weight rows (q4k super-block at sa and sb), one per int32 lane.
+inline __m512i sub_block_scales(const uint8_t* sa, const uint8_t* sb, int j) {
+  const __m512i lows = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sa + 64 + 8 * j)),
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 64 + 8 * j))));
+  const __m512i top = _mm512_srl_epi32(avx512::two_groups(sa + 32, sb + 32), _mm_cvtsi32_si128(2 * j));
+  return _mm512_or_si512(_mm512_and_si512(lows, _mm512_set1_epi32(15)),
+                         _mm512_slli_epi32(_mm512_and_si512(top, _mm512_set1_epi32(3)), 4));
+}
+
+// q4k: out[m0..m0+15, rows n0..n0+15] against groups wa and wb, int4_avx512.cpp's q4k_pair_rows at 16 rows.
+void q4k_tile(const Q4KProblem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, uint8_t* weights, bool unpack,
+              int64_t n0) {
+  const QuantizedRows& q = *p.x;
+  alignas(64) float result[kTileRows][16] = {};
+  __m512i isum[kTileRows];
+  __m512 fsum[kTileRows];
+  for (int m = 0; m < kTileRows; ++m) isum[m] = _mm512_setzero_si512(), fsum[m] = _mm512_setzero_ps();
+  auto nibbles_at = [](int64_t c) { return c / 8 * kQ4KSuperBytes + 128 + 128 * (c % 8); };
+  tile_steps(q, q.values + m0 * q.K, wa, wb, weights, unpack, nibbles_at,
+             [&](int64_t step, const int32_t (*dots)[kTileRows][16]) {
+    // sub-blocks j, j + 1 of super-block s
+    const int64_t s = step / 4;
+    const int j = static_cast<int>(step % 4) * 2;
+    const uint8_t* sa = wa + s * kQ4KSuperBytes;
+    const uint8_t* sb = wb + s * kQ4KSuperBytes;
+    const __m512 scale0 = _mm512_cvtepi32_ps(sub_block_scales(sa, sb, j));
+    const __m512 scale1 = _mm512_cvtepi32_ps(sub_block_scales(sa, sb, j + 1));
+    for (int m = 0; m < kTileRows; ++m)
+      fsum[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots[1][m])), scale1,
+                                _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots[0][m])), scale0, fsum[m]));
+    if (j % 4 == 2) {  // four sub-blocks in fsum: into isum (exact, see the header)
+      for (int m = 0; m < kTileRows; ++m) {
+        isum[m] = _mm512_add_epi32(isum[m], _mm512_cvtps_epi32(fsum[m]));
+        fsum[m] = _mm512_setzero_ps();
+      }
+    }
+    if (j == 6) {  // the super-block's last: its float steps
+      const __m512 d = avx512::two_fp16_rows(sa, sb);
+      for (int m = 0; m < kTileRows; ++m) {
+        const __m512 x_scale = _mm512_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
+        _mm512_store_ps(result[m], _mm512_add_ps(_mm512_load_ps(result[m]),
+                                                 _mm512_mul_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, x_scale))));
+        isum[m] = _mm512_setzero_si512();
+      }
+      add_pair_minimums<kTileRows>(q, m0, s, sa, sb, avx512::two_groups(sa + 32, sb + 32), result);
+    }
+  });
+  for (int m = 0; m < kTileRows; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, _mm512_load_ps(result[m]), p.out_bf16);
+}
+
+// q4: out[m0..m0+15, rows n0..n0+15] against groups wa and wb, int4_avx512.cpp's pair_rows<true> at 16 rows: per
+// block c, dot = sum(q * xq) - 8 * sum(xq), then acc += dot * (d * x_scale), in the same order.
+void q4_tile(const Q4Problem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, uint8_t* weights, bool unpack,
+             int64_t n0) {
+  const QuantizedRows& q = *p.x;
+  __m512 acc[kTileRows];
+  for (int m = 0; m < kTileRows; ++m) acc[m] = _mm512_setzero_ps();
+  auto nibbles_at = [](int64_t c) { return c * kQ4GroupBytes; };
+  tile_steps(q, q.values + m0 * q.K, wa, wb, weights, unpack, nibbles_at,
+             [&](int64_t step, const int32_t (*dots)[kTileRows][16]) {
+    for (int h = 0; h < 2; ++h) {
+      const int64_t c = 2 * step + h;
+      const __m512 d = avx512::two_fp16_rows(wa + c * kQ4GroupBytes + 128, wb + c * kQ4GroupBytes + 128);
+      for (int m = 0; m < kTileRows; ++m) {
+        const int64_t block = (m0 + m) * q.blocks + c;
+        const __m512i dot = _mm512_add_epi32(_mm512_load_si512(dots[h][m]), _mm512_set1_epi32(-8 * q.sums[block]));
+        acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(q.scales[block]))));
+      }
+    }
+  });
+  for (int m = 0; m < kTileRows; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, acc[m], p.out_bf16);
+}
+
+using TileFn = void (*)(const Int4Problem&, int64_t, const uint8_t*, const uint8_t*, uint8_t*, bool, int64_t);
+using PairsFn = void (*)(const Int4Problem&, int64_t, int64_t, int64_t);
+using GroupsFn = void (*)(const Int4Problem&, int64_t, int64_t);
+
+// Groups [g0, g1): pairs by `tile` for every full tile of 16 activation rows, the rows past them by `pairs`
+// (AVX512), an odd group by `odd` (AVX2).
+void amx_groups(const Int4Problem& p, int64_t g0, int64_t g1, int64_t group_stride, TileFn tile, PairsFn pairs,
+                GroupsFn odd) {
+  const int64_t paired_end = g0 + (g1 - g0) / 2 * 2, full_tiles = p.M / kTileRows * kTileRows;
+  if (full_tiles > 0 && g0 < paired_end) {
+    configure_tiles();  // the tile configuration is per thread
+    // A pair's nibbles as tile rows: unpacked by its first tile of activation rows, for all of them.
+    thread_local std::vector<uint8_t> weights;
+    weights.resize(p.x->K / kInt4GroupCols * kBlockTileBytes);
+    for (int64_t g = g0; g < paired_end; g += 2) {
+      const uint8_t* wa = p.w + g * group_stride;
+      const uint8_t* wb = wa + group_stride;
+      for (int64_t m = 0; m < full_tiles; m += kTileRows) tile(p, m, wa, wb, weights.data(), m == 0, g * kInt4GroupRows);
+    }
+    _tile_release();
+  }
+  if (full_tiles < p.M && g0 < paired_end) pairs(p, full_tiles, g0, paired_end);  // rows past the tiles
+  if (paired_end < g1) odd(p, paired_end, g1);  // an odd group left: the AVX2 kernel, the same bits
+}
+
+}  // namespace
+
+void q4k_groups_amx(const Q4KProblem& p, int64_t g0, int64_t g1) {
+  amx_groups(p, g0, g1, p.x->blocks * kQ4KSuperBytes, q4k_tile, q4k_pairs_avx512, q4k_groups_avx2);
+}
+
+void q4_groups_amx(const Q4Problem& p, int64_t g0, int64_t g1) {
+  // The tiles take blocks two at a time; an odd count (K = 32 * odd: no model here has one) stays on AVX512.
+  if (p.x->blocks % 2) return q4_groups_avx512(p, g0, g1);
+  amx_groups(p, g0, g1, p.x->blocks * kQ4GroupBytes, q4_tile, q4_pairs_avx512, q4_groups_avx2);
+}
+
+}  // namespace tern
