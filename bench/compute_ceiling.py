@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256])
     args = parser.parse_args()
-    cpu = kernels.select(default_cache_dir())
+    cpu = kernels.select(default_cache_dir(), "avx512")  # the vpdpbusd kernels (amx: tiles for some of them)
     if cpu.path != "avx512":
         raise SystemExit(f"needs the avx512 kernel path (this CPU takes {cpu.path})")
     cores = torch.get_num_threads()

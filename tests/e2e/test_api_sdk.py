@@ -13,6 +13,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from engine import kernels
+
 pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -51,7 +53,7 @@ def test_the_served_model_is_listed_and_described(client, model):
     assert card.model_extra["weight_ratio_to_bf16"] == pytest.approx(2.0, rel=0.01)  # fp32 weights, 2x bf16
     # fp32 weights without a kernel layout: the compiled step, built before /health said ready.
     assert card.model_extra["decode_step"] == "compiled" and card.model_extra["compiled_decode"] is True
-    assert card.model_extra["cpu_kernels"].split(" ")[0] in ("avx512", "avx2", "off")
+    assert card.model_extra["cpu_kernels"].split(" ")[0] == kernels.planned_path()[0]  # the path this CPU takes
     assert client.models.retrieve(model).id == card.id
     with pytest.raises(openai.NotFoundError) as caught:
         client.models.retrieve("gpt-4o")
