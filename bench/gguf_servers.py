@@ -161,8 +161,10 @@ def main() -> None:
         table.append((model, rounds))
 
     print(f"\n{args.rounds} alternated rounds; CPU flags: {kernel_flags()}; {os.cpu_count()} cores\n")
-    print("| GGUF | file MB | 1 stream tok/s Tern vs llama-server | 16 streams | prefill s (~"
-          f"{args.prefill_tokens} tokens) | ready s | peak MB loading | resident MB at ready | peak MB after the runs |")
+    # MiB throughout (/proc's kB / 1024 for memory), so memory / (file + KV) is one unit's ratio.
+    print("| GGUF | file MiB | 1 stream tok/s Tern vs llama-server | 16 streams | prefill s (~"
+          f"{args.prefill_tokens} tokens) | ready s | peak MiB loading | resident MiB at ready | "
+          "peak MiB after the runs |")
     print("|---|---|---|---|---|---|---|---|---|")
     for model, rounds in table:
         tern, llama = rounds["tern"], rounds["llama-server"]
@@ -177,7 +179,7 @@ def main() -> None:
             return (f"{', '.join(f'{r[key]:.0f}' for r in tern)} vs "
                     f"{', '.join(f'{r[key]:.0f}' for r in llama)}")
 
-        print(f"| {model.name} | {model.stat().st_size / 1e6:.0f} | {pair('c1')} | {pair('c16')} | "
+        print(f"| {model.name} | {model.stat().st_size / 2**20:.0f} | {pair('c1')} | {pair('c16')} | "
               f"{pair('prefill_s', higher_is_better=False)} | {pair('ready_s', higher_is_better=False)} | "
               f"{plain('load_peak_mb')} | {plain('ready_mb')} | {plain('peak_mb')} |")
 

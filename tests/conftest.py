@@ -106,8 +106,8 @@ def cpu_kernels() -> kernels.CpuKernels:
 
 @pytest.fixture(params=kernels.PATHS)
 def path_kernels(request) -> kernels.CpuKernels:
-    """The operators of one kernel path (avx512, avx2, off), built for this machine: a test using it runs once per
-    path, and a path this CPU cannot take is skipped with the reason, so the summary says which ran here."""
+    """The operators of one kernel path (amx, avx512, avx2, off), built for this machine: a test using it runs once
+    per path, and a path this CPU cannot take is skipped with the reason, so the summary says which ran here."""
     try:
         return kernels.kernels_for(request.param, default_cache_dir())
     except kernels.KernelsUnavailable as exc:

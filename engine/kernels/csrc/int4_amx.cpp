@@ -69,7 +69,8 @@ inline void tile_steps(const QuantizedRows& q, const int8_t* x, const uint8_t* w
                        bool unpack, NibblesAt nibbles_at, ReadBack&& read_back) {
   auto unpack_step = [&](int64_t t) {
     for (int64_t c = 2 * t; c < 2 * t + 2; ++c)
-      weight_rows(wa + nibbles_at(c), wb + nibbles_at(c), reinterpret_cast<uint8_t(*)[64]>(weights + c * kBlockTileBytes));
+      weight_rows(wa + nibbles_at(c), wb + nibbles_at(c),
+                  reinterpret_cast<uint8_t(*)[64]>(weights + c * kBlockTileBytes));
   };
   alignas(64) int32_t dots[2][2][kTileRows][16];  // [step % 2][block of the step]
   const int64_t steps = q.K / (2 * kInt4GroupCols);
@@ -149,14 +150,15 @@ void q4k_tile(const Q4KProblem& p, int64_t m0, const uint8_t* wa, const uint8_t*
       const __m512 d = avx512::two_fp16_rows(sa, sb);
       for (int m = 0; m < kTileRows; ++m) {
         const __m512 x_scale = _mm512_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
-        _mm512_store_ps(result[m], _mm512_add_ps(_mm512_load_ps(result[m]),
-                                                 _mm512_mul_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, x_scale))));
+        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, x_scale));
+        _mm512_store_ps(result[m], _mm512_add_ps(_mm512_load_ps(result[m]), scaled));
         isum[m] = _mm512_setzero_si512();
       }
       add_pair_minimums<kTileRows>(q, m0, s, sa, sb, avx512::two_groups(sa + 32, sb + 32), result);
     }
   });
-  for (int m = 0; m < kTileRows; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, _mm512_load_ps(result[m]), p.out_bf16);
+  for (int m = 0; m < kTileRows; ++m)
+    avx512::store16(p.out, (m0 + m) * p.N + n0, _mm512_load_ps(result[m]), p.out_bf16);
 }
 
 // q4: out[m0..m0+15, rows n0..n0+15] against groups wa and wb, int4_avx512.cpp's pair_rows<true> at 16 rows: per
@@ -175,7 +177,8 @@ void q4_tile(const Q4Problem& p, int64_t m0, const uint8_t* wa, const uint8_t* w
       for (int m = 0; m < kTileRows; ++m) {
         const int64_t block = (m0 + m) * q.blocks + c;
         const __m512i dot = _mm512_add_epi32(_mm512_load_si512(dots[h][m]), _mm512_set1_epi32(-8 * q.sums[block]));
-        acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(q.scales[block]))));
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(q.scales[block]));
+        acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_cvtepi32_ps(dot), scale));
       }
     }
   });
@@ -199,7 +202,8 @@ void amx_groups(const Int4Problem& p, int64_t g0, int64_t g1, int64_t group_stri
     for (int64_t g = g0; g < paired_end; g += 2) {
       const uint8_t* wa = p.w + g * group_stride;
       const uint8_t* wb = wa + group_stride;
-      for (int64_t m = 0; m < full_tiles; m += kTileRows) tile(p, m, wa, wb, weights.data(), m == 0, g * kInt4GroupRows);
+      for (int64_t m = 0; m < full_tiles; m += kTileRows)
+        tile(p, m, wa, wb, weights.data(), m == 0, g * kInt4GroupRows);
     }
     _tile_release();
   }
