@@ -39,7 +39,7 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles: 0 to 3 the dots (16 activation rows x 16 int32: a step's two sub-blocks, even steps in 0 and 1, odd ones
+// Tiles: 0 to 3 the dots (16 activation rows x 16 int32: a step's two blocks, even steps in 0 and 1, odd ones
 // in 2 and 3), 4 and 5 the activations (16 rows x 32 int8), 6 and 7 the weights (8 rows of 16 x 4 nibbles as bytes).
 void configure_tiles() {
   alignas(64) TileConfig config;
