@@ -13,6 +13,7 @@ ARM (NEON, dot-product) has no path yet: nothing here could measure or test one,
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import platform
@@ -116,9 +117,10 @@ def unsupported_reason(path: str) -> str | None:
     return None
 
 
+@functools.cache  # the grant is the process's for good: asked once
 def _linux_grants_amx() -> bool:
     """Ask Linux for AMX's tile data state, which it hands a process only when asked (a tile instruction before
-    that faults); asking again where granted is harmless, and the grant is the whole process's."""
+    that faults)."""
     arch_prctl, req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18  # x86-64 syscall number, asm/prctl.h
     try:
         return ctypes.CDLL(None, use_errno=True).syscall(arch_prctl, req_xcomp_perm, xfeature_xtiledata) == 0
@@ -170,10 +172,10 @@ def kernels_for(path: str, cache_dir: Path, reason: str = "") -> CpuKernels:
     ops = torch.ops.tern
     isa = "avx512" if path == "amx" else path  # amx: avx512's ops but q4's and q4k's
     bf16 = getattr(ops, "bf16_mm_avx512", None) if isa == "avx512" and BF16_FLAG in cpu_flags() else None
-    q4k = {"amx": getattr(ops, "q4k_mm_amx", None), "avx512": ops.q4k_mm_avx512}.get(path)
     return CpuKernels(path, reason or "asked for", q8_mm=getattr(ops, f"q8_mm_{isa}"),
                       int4_mm=getattr(ops, f"int4_mm_{isa}"), q4_mm=getattr(ops, f"q4_mm_{path}"),
-                      q4k_mm=q4k, q5k_mm=getattr(ops, f"q5k_mm_{isa}"),
+                      q4k_mm=getattr(ops, f"q4k_mm_{path}") if path != "avx2" else None,
+                      q5k_mm=getattr(ops, f"q5k_mm_{isa}"),
                       q6k_mm=getattr(ops, f"q6k_mm_{isa}"),
                       bf16_mm=bf16,
                       decode_attention=getattr(ops, f"decode_attention_{isa}"), gguf_repack=ops.gguf_repack)

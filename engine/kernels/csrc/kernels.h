@@ -74,7 +74,8 @@ void q4k_groups_avx512(const Q4KProblem& p, int64_t g0, int64_t g1);
 // Pairs of groups [g0, g1) (an even count) for activation rows m0.. only: what the AMX kernel leaves to AVX512.
 void q4k_pairs_avx512(const Q4KProblem& p, int64_t m0, int64_t g0, int64_t g1);
 // The same on AMX-INT8 (int4_amx.cpp): tiles of 16 activation rows, the rows past the last full tile as
-// q4k_groups_avx512 does them, the same bits. Only once Linux has granted the process the tile state (engine/kernels/dispatch.py).
+// q4k_groups_avx512 does them, the same bits. Only once Linux has granted the process the tile state
+// (engine/kernels/dispatch.py).
 void q4k_groups_amx(const Q4KProblem& p, int64_t g0, int64_t g1);
 
 // 5-bit weights in GGUF's Q5_K form: Q4_K's super-block with a fifth bit per value (w = (d * s_j) * q - dmin * m_j,
