@@ -35,6 +35,9 @@ STACKS = {
 SHAPES = STACKS["smol"]
 
 
+AMX_TWIN = "avx512"  # the path whose kernels the amx ones replace, timed beside them
+
+
 def candidates(cpu: kernels.CpuKernels) -> dict[str, callable]:
     """name -> builder of (run(x_by_k)) over the whole stack, each with its own random weights."""
     bf16 = torch.bfloat16
@@ -95,8 +98,8 @@ def candidates(cpu: kernels.CpuKernels) -> dict[str, callable]:
         found = {f"Tern {layout} ({cpu.path})": tern_4bit(layout) for layout in ("int4", "q4", "q4k")
                  if getattr(cpu, f"{layout}_mm") is not None}
         if cpu.path == "amx":  # its kernels against the avx512 ones they replace
-            found["Tern q4 (avx512)"] = tern_4bit("q4", q4_mm=torch.ops.tern.q4_mm_avx512)
-            found["Tern q4k (avx512)"] = tern_4bit("q4k", q4k_mm=torch.ops.tern.q4k_mm_avx512)
+            found[f"Tern q4 ({AMX_TWIN})"] = tern_4bit("q4", q4_mm=torch.ops.tern.q4_mm_avx512)
+            found[f"Tern q4k ({AMX_TWIN})"] = tern_4bit("q4k", q4k_mm=torch.ops.tern.q4k_mm_avx512)
     elif cpu.int4_mm is not None:
         found[f"Tern int4 ({cpu.path})"] = tern_int4
     return found
@@ -116,11 +119,13 @@ def main() -> None:
     print(f"kernels: {cpu.describe()}; torch threads: {torch.get_num_threads()}\n")
     print("| rows | " + " | ".join(built) + " |")
     print("|---|" + "---|" * len(built))
+    paired: dict[int, dict[str, float]] = {}
     for rows in args.rows:
         xs = {k: torch.randn(rows, k) for k in {k for _, k in SHAPES}}
         times: dict[str, list[float]] = {name: [] for name in built}
-        for _ in range(args.reps):
-            for name, run in built.items():
+        for rep in range(args.reps):
+            # every other repetition in reverse order: a candidate's place in the round costs it little either way
+            for name, run in (reversed if rep % 2 else iter)(list(built.items())):
                 if rows > 32 and "pack" in name:
                     continue  # aten's packed ops are for decode-sized batches
                 started = time.perf_counter()
@@ -129,6 +134,15 @@ def main() -> None:
         cells = [f"{statistics.median(t) * 1e3:.1f} ms ({rows / statistics.median(t):.0f} tok/s)" if t else "-"
                  for t in times.values()]
         print(f"| {rows} | " + " | ".join(cells) + " |")
+        paired[rows] = {layout: statistics.median(a / b for a, b in zip(times[f"Tern {layout} (amx)"],
+                                                                       times[f"Tern {layout} ({AMX_TWIN})"]))
+                        for layout in ("q4", "q4k") if f"Tern {layout} ({AMX_TWIN})" in times}
+    if any(paired.values()):
+        # Each repetition runs the two one after the other, so their ratio is steadier on a shared VM than the
+        # ratio of the medians above (neighbours' load drifts between repetitions, less within one).
+        print("\namx over avx512, median of each repetition's ratio of times:")
+        for rows, ratios in paired.items():
+            print(f"rows {rows}: " + ", ".join(f"{layout} {ratio:.2f}x" for layout, ratio in ratios.items()))
 
 
 if __name__ == "__main__":

@@ -1,27 +1,32 @@
 // q4 and q4k (kernels.h: GGUF's Q4_0 and Q4_K) on Intel AMX-INT8 (kernels.h: q4_groups_amx, q4k_groups_amx) for
 // batches of 16 activation rows and more: the AVX512 kernels' integers and float steps (int4_avx512.cpp: pair_rows,
-// q4k_pair_rows), with each block's dots made by one tile multiply. Below, q4k's case; q4's read-back is its AVX512
-// loop's per-block step on the same integer (dot - 8 * sum(xq), then acc += dot * (d * x_scale)).
+// q4k_pair_rows), with the dots made by tile multiplies. Both kernels give the same bits.
 //
 // Per pair of groups (16 weight rows) and tile of 16 activation rows, in steps of two (sub-)blocks of 32 columns:
-// tdpbsud multiplies A, the activation rows' 32 int8s (straight from QuantizedRows, stride K), by B, the 16 weight
+// tdpbsud multiplies A, the activation rows' int8s (straight from QuantizedRows, stride K), by B, the 16 weight
 // rows' nibbles as bytes. The AVX512 loop's registers `lo` and `hi` are exactly B's rows (row 2r: each weight row's
 // columns 8r..8r+3 in its int32 lane, row 2r + 1: columns 8r+4..8r+7), so B is that loop's loads, ands and shift,
 // stored; the first tile of activation rows unpacks them for all of K, the others reuse them. The 16 x 16 int32
-// dots are the integers the AVX512 loop's vpdpbusd chains make; read back, they sum as isum += s_j * dot_j through
-// fp32, four sub-blocks at a time, exactly: |dot_j| <= 32 * 15 * 127 and s_j <= 63, so four products sum to at most
-// 15.4M < 2^24, which fp32 holds and an FMA rounds to nothing; then into isum as int32 (a vpmulld is 2 uops on
-// port 0 where the convert and FMA take one each on either FMA port). The float steps and the minimums' pass are
-// the AVX512 kernel's: both kernels give the same bits.
+// dots are the integers the AVX512 loop's vpdpbusd chains make.
+//
+// q4 reads each block's dots back and takes its AVX512 loop's per-block step on them (dot - 8 * sum(xq), then
+// acc += dot * (d * x_scale)). q4k has two ways. By sub-block (q4k_sub_block_tile): each sub-block's dots read back,
+// isum += s_j * dot_j summed through fp32 four sub-blocks at a time, exactly (|dot_j| <= 32 * 15 * 127, s_j <= 63:
+// four products sum to at most 15.4M < 2^24). By scale parts (q4k_tile): with s_j = 16 * high_j + low_j, B holds
+// the nibbles times low_j and, in a second tile, times high_j, so the tiles sum a whole super-block and it is read
+// back once: an eighth of the read-backs for twice the weight bytes to unpack and store. Measured (paired runs of a
+// 1B model's matrices against the AVX512 kernel, bench/kernels.py's stack): by scale parts 0.82x the time at 16
+// rows, 0.59x at 64, 0.60-0.63x at 256; by sub-block 0.78-0.80x, 0.75x, 0.77x. With one tile of activation rows the
+// unpacking is not shared, so batches under 32 rows go by sub-block.
 //
 // A tile load waits for the stores it reads until they retire, so the work is pipelined: a step's weights are
 // unpacked a step before their tile loads, its dots stored a step after its multiplies and read back a step after
-// that. Measured (engine/kernels/README.md: amx) against the AVX512 kernels: 0.92-0.93x the time at 16 rows,
-// 0.81-0.87x at 32 to 256. What is left is mostly the read-back, a load, convert and FMA (or multiply) per activation
-// row and block: with a scale per weight row and 32 columns, the dots cannot stay in the tiles for longer.
+// that (q4k by scale parts: a super-block's dots two steps after its last multiply, read back two steps later).
+// Without it the AMX kernels were no faster than the AVX512 ones.
 #include "avx512.h"
 #include "kernels.h"
 #include "kquant_minimums_avx512.h"
+#include "prefetch.h"
 
 #include <immintrin.h>
 
@@ -39,13 +44,16 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles: 0 to 3 the dots (16 activation rows x 16 int32: a step's two blocks, even steps in 0 and 1, odd ones
-// in 2 and 3), 4 and 5 the activations (16 rows x 32 int8), 6 and 7 the weights (8 rows of 16 x 4 nibbles as bytes).
-void configure_tiles() {
+// Tiles: 0 to 3 the dots (16 activation rows x 16 int32), 4 and 5 the activations (16 rows x `activation_cols`
+// int8), 6 and 7 the weights (`weight_rows` rows of 16 x 4 bytes). q4: a step's two blocks' dots (even steps in 0
+// and 1, odd ones in 2 and 3), activations of one block each (32 columns), weights of one block each (8 rows). q4k:
+// a super-block's two dot tiles (even super-blocks in 0 and 1, odd ones in 2 and 3), 64 columns of activations in
+// tile 4, their weights times the low and the high parts of their scales in 6 and 7 (16 rows).
+void configure_tiles(int activation_cols, int weight_rows) {
   alignas(64) TileConfig config;
   for (int t = 0; t < 4; ++t) config.rows[t] = kTileRows, config.colsb[t] = 64;
-  for (int t = 4; t < 6; ++t) config.rows[t] = kTileRows, config.colsb[t] = 32;
-  for (int t = 6; t < 8; ++t) config.rows[t] = 8, config.colsb[t] = 64;
+  for (int t = 4; t < 6; ++t) config.rows[t] = kTileRows, config.colsb[t] = activation_cols;
+  for (int t = 6; t < 8; ++t) config.rows[t] = weight_rows, config.colsb[t] = 64;
   _tile_loadconfig(&config);
 }
 
@@ -67,10 +75,15 @@ inline void weight_rows(const uint8_t* nibbles_a, const uint8_t* nibbles_b, uint
 template <class NibblesAt, class ReadBack>
 inline void tile_steps(const QuantizedRows& q, const int8_t* x, const uint8_t* wa, const uint8_t* wb, uint8_t* weights,
                        bool unpack, NibblesAt nibbles_at, ReadBack&& read_back) {
+  const int64_t group_stride = wb - wa;
   auto unpack_step = [&](int64_t t) {
-    for (int64_t c = 2 * t; c < 2 * t + 2; ++c)
+    for (int64_t c = 2 * t; c < 2 * t + 2; ++c) {
+      // Both layouts stream kQ4GroupBytes per block (a Q4_K super-block is 8 of them): the pair loops' prefetch.
+      prefetch_pair_stream<kQ4GroupBytes>(wa + c * kQ4GroupBytes, wa + group_stride, group_stride);
+      prefetch_pair_stream<kQ4GroupBytes>(wb + c * kQ4GroupBytes, wb + group_stride, group_stride);
       weight_rows(wa + nibbles_at(c), wb + nibbles_at(c),
                   reinterpret_cast<uint8_t(*)[64]>(weights + c * kBlockTileBytes));
+    }
   };
   alignas(64) int32_t dots[2][2][kTileRows][16];  // [step % 2][block of the step]
   const int64_t steps = q.K / (2 * kInt4GroupCols);
@@ -119,9 +132,11 @@ inline __m512i sub_block_scales(const uint8_t* sa, const uint8_t* sb, int j) {
                          _mm512_slli_epi32(_mm512_and_si512(top, _mm512_set1_epi32(3)), 4));
 }
 
-// q4k: out[m0..m0+15, rows n0..n0+15] against groups wa and wb, int4_avx512.cpp's q4k_pair_rows at 16 rows.
-void q4k_tile(const Q4KProblem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, uint8_t* weights, bool unpack,
-              int64_t n0) {
+// q4k for one tile of activation rows (a batch of 16 to 31 rows): out[m0..m0+15, rows n0..n0+15] against groups
+// wa and wb, int4_avx512.cpp's q4k_pair_rows at 16 rows, a sub-block per tile multiply: the weights' nibbles as
+// they are, each sub-block's dots read back and scaled (see the header for why this and not q4k_tile below).
+void q4k_sub_block_tile(const Q4KProblem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, uint8_t* weights,
+                        bool unpack, int64_t n0) {
   const QuantizedRows& q = *p.x;
   alignas(64) float result[kTileRows][16] = {};
   __m512i isum[kTileRows];
@@ -161,6 +176,112 @@ void q4k_tile(const Q4KProblem& p, int64_t m0, const uint8_t* wa, const uint8_t*
     avx512::store16(p.out, (m0 + m) * p.N + n0, _mm512_load_ps(result[m]), p.out_bf16);
 }
 
+// q4k's weights for one tile multiply of 64 columns (sub-blocks c and c + 1, super-block c / 8): two B tiles of
+// 16 rows x 64 bytes, the nibbles times the low 4 bits of their sub-block's scale (at most 15 * 15) and times its
+// top 2 bits (at most 15 * 3), as bytes. Rows 0-7 sub-block c, 8-15 sub-block c + 1, each in weight_rows' order.
+constexpr int64_t kQ4KStepBytes = 2 * 2 * kBlockTileBytes;
+
+inline void q4k_scaled_weights(const uint8_t* wa, const uint8_t* wb, int64_t c, uint8_t* out) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h, ++c) {
+    const uint8_t* sa = wa + c / 8 * kQ4KSuperBytes;
+    const uint8_t* sb = wb + c / 8 * kQ4KSuperBytes;
+    // Each int32 lane is one weight row's 4 bytes: its scale's parts in both 16-bit halves, so that one 16-bit
+    // multiply scales two bytes (their products stay below 256: no carry from the low byte into the high one).
+    const __m512i scale = sub_block_scales(sa, sb, static_cast<int>(c % 8));
+    const __m512i both_halves = _mm512_set1_epi32(0x10001);
+    const __m512i scale_low = _mm512_mullo_epi32(_mm512_and_si512(scale, _mm512_set1_epi32(15)), both_halves);
+    const __m512i scale_high = _mm512_mullo_epi32(_mm512_srli_epi32(scale, 4), both_halves);
+    uint8_t(*low_rows)[64] = reinterpret_cast<uint8_t(*)[64]>(out + h * kBlockTileBytes);
+    uint8_t(*high_rows)[64] = reinterpret_cast<uint8_t(*)[64]>(out + 2 * kBlockTileBytes + h * kBlockTileBytes);
+    const int64_t nibbles = c / 8 * kQ4KSuperBytes + 128 + 128 * (c % 8);
+    for (int r = 0; r < 4; ++r) {
+      const __m512i packed = avx512::two_groups(wa + nibbles + 32 * r, wb + nibbles + 32 * r);
+      const __m512i lo = _mm512_and_si512(packed, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+      _mm512_storeu_si512(low_rows[2 * r], _mm512_mullo_epi16(lo, scale_low));
+      _mm512_storeu_si512(low_rows[2 * r + 1], _mm512_mullo_epi16(hi, scale_low));
+      _mm512_storeu_si512(high_rows[2 * r], _mm512_mullo_epi16(lo, scale_high));
+      _mm512_storeu_si512(high_rows[2 * r + 1], _mm512_mullo_epi16(hi, scale_high));
+    }
+  }
+}
+
+// q4k: out[m0..m0+15, rows n0..n0+15] against groups wa and wb, int4_avx512.cpp's q4k_pair_rows at 16 rows.
+// With s_j = 16 * high_j + low_j, a super-block's isum = sum_j s_j * dot_j is 16 * (the dots against the weights
+// times high_j) + (those against the weights times low_j): two tiles summed over the super-block's 256 columns in
+// four multiplies each (at most 256 * 127 * 225 and 256 * 127 * 45, so isum is exact in int32 as in the AVX512
+// kernel). Read back once per super-block, then its float steps and minimums as the AVX512 kernel's: the same bits.
+// Pipelined as tile_steps (see the header): weights scaled a step (64 columns) ahead, a super-block's dots stored a
+// step into the next one and read back two steps after that.
+void q4k_tile(const Q4KProblem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, uint8_t* weights, bool unpack,
+              int64_t n0) {
+  const QuantizedRows& q = *p.x;
+  const int8_t* x = q.values + m0 * q.K;
+  alignas(64) float result[kTileRows][16] = {};
+  alignas(64) int32_t dots[2][2][kTileRows][16];  // [super-block % 2][low, high]
+  const int64_t steps = q.K / 64;  // four per super-block
+  const int64_t group_stride = wb - wa;
+  auto unpack_step = [&](int64_t t) {
+    for (int64_t c = 2 * t; c < 2 * t + 2; ++c) {
+      prefetch_pair_stream<kQ4GroupBytes>(wa + c * kQ4GroupBytes, wa + group_stride, group_stride);
+      prefetch_pair_stream<kQ4GroupBytes>(wb + c * kQ4GroupBytes, wb + group_stride, group_stride);
+    }
+    q4k_scaled_weights(wa, wb, 2 * t, weights + t * kQ4KStepBytes);
+  };
+  auto read_back = [&](int64_t s, const int32_t (*dot)[kTileRows][16]) {
+    const uint8_t* sa = wa + s * kQ4KSuperBytes;
+    const uint8_t* sb = wb + s * kQ4KSuperBytes;
+    const __m512 d = avx512::two_fp16_rows(sa, sb);
+    for (int m = 0; m < kTileRows; ++m) {
+      const __m512i isum = _mm512_add_epi32(_mm512_load_si512(dot[0][m]),
+                                            _mm512_slli_epi32(_mm512_load_si512(dot[1][m]), 4));
+      const __m512 x_scale = _mm512_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
+      _mm512_store_ps(result[m], _mm512_add_ps(_mm512_load_ps(result[m]),
+                                               _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, x_scale))));
+    }
+    add_pair_minimums<kTileRows>(q, m0, s, sa, sb, avx512::two_groups(sa + 32, sb + 32), result);
+  };
+  if (unpack) unpack_step(0);
+  for (int64_t t = 0; t < steps + 4; ++t) {
+    if (unpack && t + 1 < steps) unpack_step(t + 1);
+    if (t < steps) {
+      const uint8_t* bt = weights + t * kQ4KStepBytes;
+      _tile_loadd(4, x + t * 64, q.K);
+      _tile_loadd(6, bt, 64);
+      _tile_loadd(7, bt + 2 * kBlockTileBytes, 64);
+      if (t / 4 % 2 == 0) {
+        if (t % 4 == 0) {
+          _tile_zero(0);
+          _tile_zero(1);
+        }
+        _tile_dpbsud(0, 4, 6);
+        _tile_dpbsud(1, 4, 7);
+      } else {
+        if (t % 4 == 0) {
+          _tile_zero(2);
+          _tile_zero(3);
+        }
+        _tile_dpbsud(2, 4, 6);
+        _tile_dpbsud(3, 4, 7);
+      }
+    }
+    const int64_t previous = t / 4 - 1;  // the super-block before step t's
+    if (t % 4 == 1 && previous >= 0) {
+      if (previous % 2 == 0) {
+        _tile_stored(0, dots[0][0], 64);
+        _tile_stored(1, dots[0][1], 64);
+      } else {
+        _tile_stored(2, dots[1][0], 64);
+        _tile_stored(3, dots[1][1], 64);
+      }
+    }
+    if (t % 4 == 3 && previous >= 0) read_back(previous, dots[previous % 2]);
+  }
+  for (int m = 0; m < kTileRows; ++m)
+    avx512::store16(p.out, (m0 + m) * p.N + n0, _mm512_load_ps(result[m]), p.out_bf16);
+}
+
 // q4: out[m0..m0+15, rows n0..n0+15] against groups wa and wb, int4_avx512.cpp's pair_rows<true> at 16 rows: per
 // block c, dot = sum(q * xq) - 8 * sum(xq), then acc += dot * (d * x_scale), in the same order.
 void q4_tile(const Q4Problem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, uint8_t* weights, bool unpack,
@@ -192,13 +313,13 @@ using GroupsFn = void (*)(const Int4Problem&, int64_t, int64_t);
 // Groups [g0, g1): pairs by `tile` for every full tile of 16 activation rows, the rows past them by `pairs`
 // (AVX512), an odd group by `odd` (AVX2).
 void amx_groups(const Int4Problem& p, int64_t g0, int64_t g1, int64_t group_stride, TileFn tile, PairsFn pairs,
-                GroupsFn odd) {
+                GroupsFn odd, int activation_cols, int weight_rows, int64_t weight_bytes_per_column) {
   const int64_t paired_end = g0 + (g1 - g0) / 2 * 2, full_tiles = p.M / kTileRows * kTileRows;
   if (full_tiles > 0 && g0 < paired_end) {
-    configure_tiles();  // the tile configuration is per thread
+    configure_tiles(activation_cols, weight_rows);  // the tile configuration is per thread
     // A pair's nibbles as tile rows: unpacked by its first tile of activation rows, for all of them.
     thread_local std::vector<uint8_t> weights;
-    weights.resize(p.x->K / kInt4GroupCols * kBlockTileBytes);
+    weights.resize(p.x->K * weight_bytes_per_column);
     for (int64_t g = g0; g < paired_end; g += 2) {
       const uint8_t* wa = p.w + g * group_stride;
       const uint8_t* wb = wa + group_stride;
@@ -214,13 +335,18 @@ void amx_groups(const Int4Problem& p, int64_t g0, int64_t g1, int64_t group_stri
 }  // namespace
 
 void q4k_groups_amx(const Q4KProblem& p, int64_t g0, int64_t g1) {
-  amx_groups(p, g0, g1, p.x->blocks * kQ4KSuperBytes, q4k_tile, q4k_pairs_avx512, q4k_groups_avx2);
+  const int64_t group_stride = p.x->blocks * kQ4KSuperBytes;
+  if (p.M < 2 * kTileRows)  // one tile of activation rows: by sub-block (see the header)
+    return amx_groups(p, g0, g1, group_stride, q4k_sub_block_tile, q4k_pairs_avx512, q4k_groups_avx2, kInt4GroupCols,
+                      8, kBlockTileBytes / kInt4GroupCols);
+  amx_groups(p, g0, g1, group_stride, q4k_tile, q4k_pairs_avx512, q4k_groups_avx2, 64, 16, kQ4KStepBytes / 64);
 }
 
 void q4_groups_amx(const Q4Problem& p, int64_t g0, int64_t g1) {
   // The tiles take blocks two at a time; an odd count (K = 32 * odd: no model here has one) stays on AVX512.
   if (p.x->blocks % 2) return q4_groups_avx512(p, g0, g1);
-  amx_groups(p, g0, g1, p.x->blocks * kQ4GroupBytes, q4_tile, q4_pairs_avx512, q4_groups_avx2);
+  amx_groups(p, g0, g1, p.x->blocks * kQ4GroupBytes, q4_tile, q4_pairs_avx512, q4_groups_avx2, kInt4GroupCols, 8,
+             kBlockTileBytes / kInt4GroupCols);
 }
 
 }  // namespace tern

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine import kernels
+from engine.config import default_cache_dir
 from engine.kernels import build, dispatch
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -47,6 +48,15 @@ def test_the_environment_variable_forces_a_path_the_cpu_supports(monkeypatch, ca
         assert selected.path == "off" and selected.q8_mm is None and selected.decode_attention is None
         [record] = [r for r in caplog.records if r.name == "engine.kernels.dispatch"]
         assert record.levelno == logging.WARNING and "int8: aten" in record.getMessage()
+
+
+@pytest.mark.parametrize("path", kernels.PATHS)
+def test_every_path_this_cpu_supports_builds_and_loads(path):
+    """The parity tests skip a path that cannot be built, naming the compiler's error; this one fails instead, so a
+    kernel source that stops compiling cannot pass as a path this CPU lacks."""
+    if kernels.unsupported_reason(path):
+        pytest.skip(f"this CPU cannot take {path}: {kernels.unsupported_reason(path)}")
+    assert kernels.kernels_for(path, default_cache_dir()).path == path
 
 
 def test_an_unknown_path_is_named_and_the_best_one_taken(monkeypatch):

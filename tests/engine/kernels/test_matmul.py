@@ -115,7 +115,8 @@ def test_q4k_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows):
 def test_q4k_kernel_is_exact_at_the_largest_integers(path_kernels, rows):
     """Activations at full scale against the largest nibbles and 6-bit scales, in odd mixtures: each super-block's
     integer sum near its bound (31M, past what fp32 holds exactly), where a kernel summing it in floats would
-    round (the AMX kernel sums four sub-blocks at a time in fp32, exact below 2^24)."""
+    round (the AMX kernel sums four sub-blocks at a time in fp32, exact below 2^24, and from 32 rows a whole
+    super-block in int32 tiles, its scales split in two parts)."""
     q4k_mm = require(_q4k_kernel(path_kernels), "q4k")
     generator = torch.Generator().manual_seed(7)
     n, k = 32, 512
