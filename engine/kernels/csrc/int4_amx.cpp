@@ -49,11 +49,18 @@ struct TileConfig {
 // and 1, odd ones in 2 and 3), activations of one block each (32 columns), weights of one block each (8 rows). q4k:
 // a super-block's two dot tiles (even super-blocks in 0 and 1, odd ones in 2 and 3), 64 columns of activations in
 // tile 4, their weights times the low and the high parts of their scales in 6 and 7 (16 rows).
-void configure_tiles(int activation_cols, int weight_rows) {
+struct TileShape {
+  int activation_cols, weight_rows;
+  int64_t weight_bytes_per_column;  // of the unpacked weights a pair of groups keeps for all of K
+};
+constexpr TileShape kBlockTiles{32, 8, 16};          // q4, q4k by sub-block
+constexpr TileShape kScalePartTiles{64, 16, 2 * 16};  // q4k by scale parts: two B tiles per 64 columns
+
+void configure_tiles(const TileShape& shape) {
   alignas(64) TileConfig config;
   for (int t = 0; t < 4; ++t) config.rows[t] = kTileRows, config.colsb[t] = 64;
-  for (int t = 4; t < 6; ++t) config.rows[t] = kTileRows, config.colsb[t] = activation_cols;
-  for (int t = 6; t < 8; ++t) config.rows[t] = weight_rows, config.colsb[t] = 64;
+  for (int t = 4; t < 6; ++t) config.rows[t] = kTileRows, config.colsb[t] = shape.activation_cols;
+  for (int t = 6; t < 8; ++t) config.rows[t] = shape.weight_rows, config.colsb[t] = 64;
   _tile_loadconfig(&config);
 }
 
@@ -72,18 +79,24 @@ inline void weight_rows(const uint8_t* nibbles_a, const uint8_t* nibbles_b, uint
 // t + 1's weights into `weights` (when `unpack`; else they are there), multiplies its own, stores step t - 1's dots
 // and calls read_back(t - 2, dots): dots[h][m][i] is block 2 (t - 2) + h's dot of activation row m and weight row i
 // (see the header for why the lags).
+// The two weight streams' lines ahead of blocks c0, c0 + 1, as the AVX512 pair loops ask for them: both layouts
+// stream kQ4GroupBytes per block (a Q4_K super-block is 8 of them).
+inline void prefetch_two_blocks(const uint8_t* wa, const uint8_t* wb, int64_t c0) {
+  const int64_t group_stride = wb - wa;
+  for (int64_t c = c0; c < c0 + 2; ++c) {
+    prefetch_pair_stream<kQ4GroupBytes>(wa + c * kQ4GroupBytes, wa + group_stride, group_stride);
+    prefetch_pair_stream<kQ4GroupBytes>(wb + c * kQ4GroupBytes, wb + group_stride, group_stride);
+  }
+}
+
 template <class NibblesAt, class ReadBack>
 inline void tile_steps(const QuantizedRows& q, const int8_t* x, const uint8_t* wa, const uint8_t* wb, uint8_t* weights,
                        bool unpack, NibblesAt nibbles_at, ReadBack&& read_back) {
-  const int64_t group_stride = wb - wa;
   auto unpack_step = [&](int64_t t) {
-    for (int64_t c = 2 * t; c < 2 * t + 2; ++c) {
-      // Both layouts stream kQ4GroupBytes per block (a Q4_K super-block is 8 of them): the pair loops' prefetch.
-      prefetch_pair_stream<kQ4GroupBytes>(wa + c * kQ4GroupBytes, wa + group_stride, group_stride);
-      prefetch_pair_stream<kQ4GroupBytes>(wb + c * kQ4GroupBytes, wb + group_stride, group_stride);
+    prefetch_two_blocks(wa, wb, 2 * t);
+    for (int64_t c = 2 * t; c < 2 * t + 2; ++c)
       weight_rows(wa + nibbles_at(c), wb + nibbles_at(c),
                   reinterpret_cast<uint8_t(*)[64]>(weights + c * kBlockTileBytes));
-    }
   };
   alignas(64) int32_t dots[2][2][kTileRows][16];  // [step % 2][block of the step]
   const int64_t steps = q.K / (2 * kInt4GroupCols);
@@ -180,6 +193,8 @@ void q4k_sub_block_tile(const Q4KProblem& p, int64_t m0, const uint8_t* wa, cons
 // 16 rows x 64 bytes, the nibbles times the low 4 bits of their sub-block's scale (at most 15 * 15) and times its
 // top 2 bits (at most 15 * 3), as bytes. Rows 0-7 sub-block c, 8-15 sub-block c + 1, each in weight_rows' order.
 constexpr int64_t kQ4KStepBytes = 2 * 2 * kBlockTileBytes;
+static_assert(kScalePartTiles.weight_bytes_per_column * 64 == kQ4KStepBytes);
+static_assert(kBlockTiles.weight_bytes_per_column * kInt4GroupCols == kBlockTileBytes);
 
 inline void q4k_scaled_weights(const uint8_t* wa, const uint8_t* wb, int64_t c, uint8_t* out) {
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -221,12 +236,8 @@ void q4k_tile(const Q4KProblem& p, int64_t m0, const uint8_t* wa, const uint8_t*
   alignas(64) float result[kTileRows][16] = {};
   alignas(64) int32_t dots[2][2][kTileRows][16];  // [super-block % 2][low, high]
   const int64_t steps = q.K / 64;  // four per super-block
-  const int64_t group_stride = wb - wa;
   auto unpack_step = [&](int64_t t) {
-    for (int64_t c = 2 * t; c < 2 * t + 2; ++c) {
-      prefetch_pair_stream<kQ4GroupBytes>(wa + c * kQ4GroupBytes, wa + group_stride, group_stride);
-      prefetch_pair_stream<kQ4GroupBytes>(wb + c * kQ4GroupBytes, wb + group_stride, group_stride);
-    }
+    prefetch_two_blocks(wa, wb, 2 * t);
     q4k_scaled_weights(wa, wb, 2 * t, weights + t * kQ4KStepBytes);
   };
   auto read_back = [&](int64_t s, const int32_t (*dot)[kTileRows][16]) {
@@ -313,13 +324,13 @@ using GroupsFn = void (*)(const Int4Problem&, int64_t, int64_t);
 // Groups [g0, g1): pairs by `tile` for every full tile of 16 activation rows, the rows past them by `pairs`
 // (AVX512), an odd group by `odd` (AVX2).
 void amx_groups(const Int4Problem& p, int64_t g0, int64_t g1, int64_t group_stride, TileFn tile, PairsFn pairs,
-                GroupsFn odd, int activation_cols, int weight_rows, int64_t weight_bytes_per_column) {
+                GroupsFn odd, const TileShape& shape) {
   const int64_t paired_end = g0 + (g1 - g0) / 2 * 2, full_tiles = p.M / kTileRows * kTileRows;
   if (full_tiles > 0 && g0 < paired_end) {
-    configure_tiles(activation_cols, weight_rows);  // the tile configuration is per thread
+    configure_tiles(shape);  // the tile configuration is per thread
     // A pair's nibbles as tile rows: unpacked by its first tile of activation rows, for all of them.
     thread_local std::vector<uint8_t> weights;
-    weights.resize(p.x->K * weight_bytes_per_column);
+    weights.resize(p.x->K * shape.weight_bytes_per_column);
     for (int64_t g = g0; g < paired_end; g += 2) {
       const uint8_t* wa = p.w + g * group_stride;
       const uint8_t* wb = wa + group_stride;
@@ -337,16 +348,14 @@ void amx_groups(const Int4Problem& p, int64_t g0, int64_t g1, int64_t group_stri
 void q4k_groups_amx(const Q4KProblem& p, int64_t g0, int64_t g1) {
   const int64_t group_stride = p.x->blocks * kQ4KSuperBytes;
   if (p.M < 2 * kTileRows)  // one tile of activation rows: by sub-block (see the header)
-    return amx_groups(p, g0, g1, group_stride, q4k_sub_block_tile, q4k_pairs_avx512, q4k_groups_avx2, kInt4GroupCols,
-                      8, kBlockTileBytes / kInt4GroupCols);
-  amx_groups(p, g0, g1, group_stride, q4k_tile, q4k_pairs_avx512, q4k_groups_avx2, 64, 16, kQ4KStepBytes / 64);
+    return amx_groups(p, g0, g1, group_stride, q4k_sub_block_tile, q4k_pairs_avx512, q4k_groups_avx2, kBlockTiles);
+  amx_groups(p, g0, g1, group_stride, q4k_tile, q4k_pairs_avx512, q4k_groups_avx2, kScalePartTiles);
 }
 
 void q4_groups_amx(const Q4Problem& p, int64_t g0, int64_t g1) {
   // The tiles take blocks two at a time; an odd count (K = 32 * odd: no model here has one) stays on AVX512.
   if (p.x->blocks % 2) return q4_groups_avx512(p, g0, g1);
-  amx_groups(p, g0, g1, p.x->blocks * kQ4GroupBytes, q4_tile, q4_pairs_avx512, q4_groups_avx2, kInt4GroupCols, 8,
-             kBlockTileBytes / kInt4GroupCols);
+  amx_groups(p, g0, g1, p.x->blocks * kQ4GroupBytes, q4_tile, q4_pairs_avx512, q4_groups_avx2, kBlockTiles);
 }
 
 }  // namespace tern
