@@ -9,8 +9,9 @@
 // stored; the first tile of activation rows unpacks them for all of K, the others reuse them. The 16 x 16 int32
 // dots are the integers the AVX512 loop's vpdpbusd chains make.
 //
-// q4 reads each block's dots back and takes its AVX512 loop's per-block step on them (dot - 8 * sum(xq), then
-// acc += dot * (d * x_scale)). q4k has two ways. By sub-block (q4k_sub_block_tile): each sub-block's dots read back,
+// q4 multiplies its nibbles centred (q - 8 as signed bytes, tdpbssd: the dots come out as sum((q - 8) * xq), with
+// no correction to add), reads each block's dots back and takes its AVX512 loop's float step on them (acc += dot *
+// (d * x_scale)). q4k has two ways. By sub-block (q4k_sub_block_tile): each sub-block's dots read back,
 // isum += s_j * dot_j summed through fp32 four sub-blocks at a time, exactly (|dot_j| <= 32 * 15 * 127, s_j <= 63:
 // four products sum to at most 15.4M < 2^24). By scale parts (q4k_tile): with s_j = 16 * high_j + low_j, B holds
 // the nibbles times low_j and, in a second tile, times high_j, so the tiles sum a whole super-block and it is read
@@ -64,15 +65,32 @@ void configure_tiles(const TileShape& shape) {
   _tile_loadconfig(&config);
 }
 
+// How the weights go into tile B: q4k's nibbles as they are (0..15, multiplied as unsigned bytes by tdpbsud), q4's
+// centred on zero (q - 8, signed, tdpbssd): its dot sum((q - 8) * xq) then comes out of the tile whole, the very
+// integer the AVX512 loop reaches by starting at -8 * sum(xq), and the read-back has no correction to add.
+enum class Nibbles { kUnsigned, kCentred };
+
 // A block's 16 weight rows' nibbles as tile B's 8 rows of bytes (see the header).
+template <Nibbles kNibbles>
 inline void weight_rows(const uint8_t* nibbles_a, const uint8_t* nibbles_b, uint8_t (*rows)[64]) {
   const __m512i low = _mm512_set1_epi8(0x0F);
+  auto as_stored = [](__m512i bytes) {
+    return kNibbles == Nibbles::kCentred ? _mm512_sub_epi8(bytes, _mm512_set1_epi8(8)) : bytes;
+  };
   for (int r = 0; r < 4; ++r) {
     const __m512i packed = avx512::two_groups(nibbles_a + 32 * r, nibbles_b + 32 * r);
-    _mm512_storeu_si512(rows[2 * r], _mm512_and_si512(packed, low));
-    _mm512_storeu_si512(rows[2 * r + 1], _mm512_and_si512(_mm512_srli_epi16(packed, 4), low));
+    _mm512_storeu_si512(rows[2 * r], as_stored(_mm512_and_si512(packed, low)));
+    _mm512_storeu_si512(rows[2 * r + 1], as_stored(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low)));
   }
 }
+
+// Tile `dots` += tile `activations` x tile `weights`, the weights as kNibbles stores them. A macro: GCC's tile
+// intrinsics paste their operands into the instruction's text, so they take literal tile numbers only.
+#define TERN_TILE_DOT(dots, activations, weights)                                      \
+  do {                                                                                  \
+    if constexpr (kNibbles == Nibbles::kCentred) _tile_dpbssd(dots, activations, weights); \
+    else _tile_dpbsud(dots, activations, weights);                                      \
+  } while (0)
 
 // The tile pipeline over all of K for one tile of activation rows (x: its first) against one pair of groups: steps
 // of two blocks of 32 columns, block c's nibbles at wa + nibbles_at(c) and wb + nibbles_at(c). Step t unpacks step
@@ -89,13 +107,13 @@ inline void prefetch_two_blocks(const uint8_t* wa, const uint8_t* wb, int64_t c0
   }
 }
 
-template <class NibblesAt, class ReadBack>
+template <Nibbles kNibbles, class NibblesAt, class ReadBack>
 inline void tile_steps(const QuantizedRows& q, const int8_t* x, const uint8_t* wa, const uint8_t* wb, uint8_t* weights,
                        bool unpack, NibblesAt nibbles_at, ReadBack&& read_back) {
   auto unpack_step = [&](int64_t t) {
     prefetch_two_blocks(wa, wb, 2 * t);
     for (int64_t c = 2 * t; c < 2 * t + 2; ++c)
-      weight_rows(wa + nibbles_at(c), wb + nibbles_at(c),
+      weight_rows<kNibbles>(wa + nibbles_at(c), wb + nibbles_at(c),
                   reinterpret_cast<uint8_t(*)[64]>(weights + c * kBlockTileBytes));
   };
   alignas(64) int32_t dots[2][2][kTileRows][16];  // [step % 2][block of the step]
@@ -112,14 +130,14 @@ inline void tile_steps(const QuantizedRows& q, const int8_t* x, const uint8_t* w
       _tile_loadd(7, bt + kBlockTileBytes, 64);
       if (t % 2 == 0) {
         _tile_zero(0);
-        _tile_dpbsud(0, 4, 6);
+        TERN_TILE_DOT(0, 4, 6);
         _tile_zero(1);
-        _tile_dpbsud(1, 5, 7);
+        TERN_TILE_DOT(1, 5, 7);
       } else {
         _tile_zero(2);
-        _tile_dpbsud(2, 4, 6);
+        TERN_TILE_DOT(2, 4, 6);
         _tile_zero(3);
-        _tile_dpbsud(3, 5, 7);
+        TERN_TILE_DOT(3, 5, 7);
       }
     }
     if (t >= 1 && t - 1 < steps) {  // step t - 1's dots, done by now, into memory
@@ -134,6 +152,8 @@ inline void tile_steps(const QuantizedRows& q, const int8_t* x, const uint8_t* w
     if (t >= 2) read_back(t - 2, dots[t % 2]);
   }
 }
+
+#undef TERN_TILE_DOT
 
 // Sub-block j's 6-bit scales of the 16 weight rows (q4k super-block at sa and sb), one per int32 lane.
 inline __m512i sub_block_scales(const uint8_t* sa, const uint8_t* sb, int j) {
@@ -156,8 +176,8 @@ void q4k_sub_block_tile(const Q4KProblem& p, int64_t m0, const uint8_t* wa, cons
   __m512 fsum[kTileRows];
   for (int m = 0; m < kTileRows; ++m) isum[m] = _mm512_setzero_si512(), fsum[m] = _mm512_setzero_ps();
   auto nibbles_at = [](int64_t c) { return c / 8 * kQ4KSuperBytes + 128 + 128 * (c % 8); };
-  tile_steps(q, q.values + m0 * q.K, wa, wb, weights, unpack, nibbles_at,
-             [&](int64_t step, const int32_t (*dots)[kTileRows][16]) {
+  tile_steps<Nibbles::kUnsigned>(q, q.values + m0 * q.K, wa, wb, weights, unpack, nibbles_at,
+                                 [&](int64_t step, const int32_t (*dots)[kTileRows][16]) {
     // sub-blocks j, j + 1 of super-block s
     const int64_t s = step / 4;
     const int j = static_cast<int>(step % 4) * 2;
@@ -294,23 +314,22 @@ void q4k_tile(const Q4KProblem& p, int64_t m0, const uint8_t* wa, const uint8_t*
 }
 
 // q4: out[m0..m0+15, rows n0..n0+15] against groups wa and wb, int4_avx512.cpp's pair_rows<true> at 16 rows: per
-// block c, dot = sum(q * xq) - 8 * sum(xq), then acc += dot * (d * x_scale), in the same order.
+// block c, dot = sum((q - 8) * xq) (the weights centred in the tile), then acc += dot * (d * x_scale), in the same
+// order.
 void q4_tile(const Q4Problem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, uint8_t* weights, bool unpack,
              int64_t n0) {
   const QuantizedRows& q = *p.x;
   __m512 acc[kTileRows];
   for (int m = 0; m < kTileRows; ++m) acc[m] = _mm512_setzero_ps();
   auto nibbles_at = [](int64_t c) { return c * kQ4GroupBytes; };
-  tile_steps(q, q.values + m0 * q.K, wa, wb, weights, unpack, nibbles_at,
-             [&](int64_t step, const int32_t (*dots)[kTileRows][16]) {
+  tile_steps<Nibbles::kCentred>(q, q.values + m0 * q.K, wa, wb, weights, unpack, nibbles_at,
+                                [&](int64_t step, const int32_t (*dots)[kTileRows][16]) {
     for (int h = 0; h < 2; ++h) {
       const int64_t c = 2 * step + h;
       const __m512 d = avx512::two_fp16_rows(wa + c * kQ4GroupBytes + 128, wb + c * kQ4GroupBytes + 128);
       for (int m = 0; m < kTileRows; ++m) {
-        const int64_t block = (m0 + m) * q.blocks + c;
-        const __m512i dot = _mm512_add_epi32(_mm512_load_si512(dots[h][m]), _mm512_set1_epi32(-8 * q.sums[block]));
-        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(q.scales[block]));
-        acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_cvtepi32_ps(dot), scale));
+        const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(q.scales[(m0 + m) * q.blocks + c]));
+        acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots[h][m])), scale));
       }
     }
   });
