@@ -49,6 +49,7 @@ KERNEL_SOURCES = {
     "decode_attention_avx512.cpp": "avx512",
     "bf16_avx512.cpp": "avx512_bf16",
     "int4_amx.cpp": "amx",
+    "q6k_amx.cpp": "amx",
 }
 
 OPS_ISA = "avx2"  # ops.cpp (the torch bindings and the native decode step): every kernel path needs AVX2

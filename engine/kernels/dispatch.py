@@ -1,8 +1,8 @@
 """Which of Tern's CPU kernels run in this process, and why: decided once from the CPU's features.
 
 Paths, best first:
-- `amx`: `avx512`'s kernels, with Intel's AMX tile multiplies where a kernel has them (q4 and q4k, batches of 16
-  rows and more), where the CPU has AMX-INT8 and Linux grants the process its tile state;
+- `amx`: `avx512`'s kernels, with Intel's AMX tile multiplies where a kernel has them (q4, q4k and q6k, batches of
+  16 rows and more), where the CPU has AMX-INT8 and Linux grants the process its tile state;
 - `avx512`: int8 and int4 by AVX512-VNNI, decode attention in 16-float registers, bf16 by AVX512-BF16 where the CPU has it;
 - `avx2`: int8 by vpmaddubsw (the same bits as VNNI), decode attention in 8-float registers;
 - `off`: aten's own ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) and matmul attention.
@@ -85,7 +85,7 @@ def describe_path(path: str) -> str:
         vnni = "avx512-vnni" if avx512 else "avx2"
         parts = {"int8": vnni, "int4": vnni, "q8": vnni, "bf16": bf16, "decode attention": "avx512" if avx512 else path}
         if path == "amx":
-            parts["q4, q4k"] = "amx-int8"
+            parts["q4, q4k, q6k"] = "amx-int8"
     return f"{path} ({', '.join(f'{kind}: {impl}' for kind, impl in parts.items())})"
 
 
@@ -170,13 +170,13 @@ def kernels_for(path: str, cache_dir: Path, reason: str = "") -> CpuKernels:
         raise KernelsUnavailable(problem)
     _load_library(cache_dir)
     ops = torch.ops.tern
-    isa = "avx512" if path == "amx" else path  # amx: avx512's ops but q4's and q4k's
+    isa = "avx512" if path == "amx" else path  # amx: avx512's ops but q4's, q4k's and q6k's
     bf16 = getattr(ops, "bf16_mm_avx512", None) if isa == "avx512" and BF16_FLAG in cpu_flags() else None
     return CpuKernels(path, reason or "asked for", q8_mm=getattr(ops, f"q8_mm_{isa}"),
                       int4_mm=getattr(ops, f"int4_mm_{isa}"), q4_mm=getattr(ops, f"q4_mm_{path}"),
                       q4k_mm=getattr(ops, f"q4k_mm_{path}") if path != "avx2" else None,
                       q5k_mm=getattr(ops, f"q5k_mm_{isa}"),
-                      q6k_mm=getattr(ops, f"q6k_mm_{isa}"),
+                      q6k_mm=getattr(ops, f"q6k_mm_{path}"),
                       bf16_mm=bf16,
                       decode_attention=getattr(ops, f"decode_attention_{isa}"), gguf_repack=ops.gguf_repack)
 
@@ -232,7 +232,8 @@ def _register_fakes() -> None:
 
     for names, shape in ((("q8_mm_avx2", "q8_mm_avx512", "int4_mm_avx2", "int4_mm_avx512", "q4_mm_avx2", "q4_mm_avx512",
                            "q4k_mm_avx2", "q4k_mm_avx512", "q5k_mm_avx2", "q5k_mm_avx512",
-                           "q6k_mm_avx2", "q6k_mm_avx512", "bf16_mm_avx512", "q4_mm_amx", "q4k_mm_amx"),
+                           "q6k_mm_avx2", "q6k_mm_avx512", "bf16_mm_avx512", "q4_mm_amx", "q4k_mm_amx",
+                           "q6k_mm_amx"),
                           matmul_shape),
                          (("decode_attention_avx2", "decode_attention_avx512"), attention_shape)):
         for name in names:

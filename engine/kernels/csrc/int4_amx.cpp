@@ -24,6 +24,7 @@
 // unpacked a step before their tile loads, its dots stored a step after its multiplies and read back a step after
 // that (q4k by scale parts: a super-block's dots two steps after its last multiply, read back two steps later).
 // Without it the AMX kernels were no faster than the AVX512 ones.
+#include "amx_tiles.h"
 #include "avx512.h"
 #include "kernels.h"
 #include "kquant_minimums_avx512.h"
@@ -31,51 +32,27 @@
 
 #include <immintrin.h>
 
-#include <vector>
 
 namespace tern {
 namespace {
 
-constexpr int kTileRows = 16;  // activation rows a tile multiply takes (AMX's most)
+using amx::kTileRows;
+using amx::TileShape;
+using amx::WeightBytes;
+
 constexpr int64_t kBlockTileBytes = 8 * 64;  // tile B: a block's 16 weight rows x 32 columns as bytes
-
-struct TileConfig {
-  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles: 0 to 3 the dots (16 activation rows x 16 int32), 4 and 5 the activations (16 rows x `activation_cols`
-// int8), 6 and 7 the weights (`weight_rows` rows of 16 x 4 bytes). q4: a step's two blocks' dots (even steps in 0
-// and 1, odd ones in 2 and 3), activations of one block each (32 columns), weights of one block each (8 rows). q4k:
-// a super-block's two dot tiles (even super-blocks in 0 and 1, odd ones in 2 and 3), 64 columns of activations in
-// tile 4, their weights times the low and the high parts of their scales in 6 and 7 (16 rows).
-struct TileShape {
-  int activation_cols, weight_rows;
-  int64_t weight_bytes_per_column;  // of the unpacked weights a pair of groups keeps for all of K
-};
-constexpr TileShape kBlockTiles{32, 8, 16};          // q4, q4k by sub-block
-constexpr TileShape kScalePartTiles{64, 16, 2 * 16};  // q4k by scale parts: two B tiles per 64 columns
-
-void configure_tiles(const TileShape& shape) {
-  alignas(64) TileConfig config;
-  for (int t = 0; t < 4; ++t) config.rows[t] = kTileRows, config.colsb[t] = 64;
-  for (int t = 4; t < 6; ++t) config.rows[t] = kTileRows, config.colsb[t] = shape.activation_cols;
-  for (int t = 6; t < 8; ++t) config.rows[t] = shape.weight_rows, config.colsb[t] = 64;
-  _tile_loadconfig(&config);
-}
-
-// How the weights go into tile B: q4k's nibbles as they are (0..15, multiplied as unsigned bytes by tdpbsud), q4's
-// centred on zero (q - 8, signed, tdpbssd): its dot sum((q - 8) * xq) then comes out of the tile whole, the very
-// integer the AVX512 loop reaches by starting at -8 * sum(xq), and the read-back has no correction to add.
-enum class Nibbles { kUnsigned, kCentred };
+// q4 and q4k by sub-block: a block of 32 columns per tile multiply. q4k by scale parts: 64 columns of activations in
+// tile 4, their weights times the low and the high parts of their scales in tiles 6 and 7 (16 rows each), a
+// super-block's two dot tiles in 0 and 1 (even super-blocks) or 2 and 3 (odd ones).
+constexpr TileShape kBlockTiles{32, 8, 16};
+constexpr TileShape kScalePartTiles{64, 16, 2 * 16};
 
 // A block's 16 weight rows' nibbles as tile B's 8 rows of bytes (see the header).
-template <Nibbles kNibbles>
+template <WeightBytes kBytes>
 inline void weight_rows(const uint8_t* nibbles_a, const uint8_t* nibbles_b, uint8_t (*rows)[64]) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   auto as_stored = [](__m512i bytes) {
-    return kNibbles == Nibbles::kCentred ? _mm512_sub_epi8(bytes, _mm512_set1_epi8(8)) : bytes;
+    return kBytes == WeightBytes::kSigned ? _mm512_sub_epi8(bytes, _mm512_set1_epi8(8)) : bytes;
   };
   for (int r = 0; r < 4; ++r) {
     const __m512i packed = avx512::two_groups(nibbles_a + 32 * r, nibbles_b + 32 * r);
@@ -84,19 +61,6 @@ inline void weight_rows(const uint8_t* nibbles_a, const uint8_t* nibbles_b, uint
   }
 }
 
-// Tile `dots` += tile `activations` x tile `weights`, the weights as kNibbles stores them. A macro: GCC's tile
-// intrinsics paste their operands into the instruction's text, so they take literal tile numbers only.
-#define TERN_TILE_DOT(dots, activations, weights)                                      \
-  do {                                                                                  \
-    if constexpr (kNibbles == Nibbles::kCentred) _tile_dpbssd(dots, activations, weights); \
-    else _tile_dpbsud(dots, activations, weights);                                      \
-  } while (0)
-
-// The tile pipeline over all of K for one tile of activation rows (x: its first) against one pair of groups: steps
-// of two blocks of 32 columns, block c's nibbles at wa + nibbles_at(c) and wb + nibbles_at(c). Step t unpacks step
-// t + 1's weights into `weights` (when `unpack`; else they are there), multiplies its own, stores step t - 1's dots
-// and calls read_back(t - 2, dots): dots[h][m][i] is block 2 (t - 2) + h's dot of activation row m and weight row i
-// (see the header for why the lags).
 // The two weight streams' lines ahead of blocks c0, c0 + 1, as the AVX512 pair loops ask for them: both layouts
 // stream kQ4GroupBytes per block (a Q4_K super-block is 8 of them).
 inline void prefetch_two_blocks(const uint8_t* wa, const uint8_t* wb, int64_t c0) {
@@ -107,53 +71,16 @@ inline void prefetch_two_blocks(const uint8_t* wa, const uint8_t* wb, int64_t c0
   }
 }
 
-template <Nibbles kNibbles, class NibblesAt, class ReadBack>
-inline void tile_steps(const QuantizedRows& q, const int8_t* x, const uint8_t* wa, const uint8_t* wb, uint8_t* weights,
-                       bool unpack, NibblesAt nibbles_at, ReadBack&& read_back) {
-  auto unpack_step = [&](int64_t t) {
+// Unpacks step t's two blocks of 32 columns (nibbles_at(c): block c's nibbles in each group) for amx::tile_steps.
+template <WeightBytes kBytes, class NibblesAt>
+inline auto block_unpacker(const uint8_t* wa, const uint8_t* wb, uint8_t* weights, NibblesAt nibbles_at) {
+  return [=](int64_t t) {
     prefetch_two_blocks(wa, wb, 2 * t);
     for (int64_t c = 2 * t; c < 2 * t + 2; ++c)
-      weight_rows<kNibbles>(wa + nibbles_at(c), wb + nibbles_at(c),
-                  reinterpret_cast<uint8_t(*)[64]>(weights + c * kBlockTileBytes));
+      weight_rows<kBytes>(wa + nibbles_at(c), wb + nibbles_at(c),
+                          reinterpret_cast<uint8_t(*)[64]>(weights + c * kBlockTileBytes));
   };
-  alignas(64) int32_t dots[2][2][kTileRows][16];  // [step % 2][block of the step]
-  const int64_t steps = q.K / (2 * kInt4GroupCols);
-  if (unpack) unpack_step(0);
-  for (int64_t t = 0; t <= steps + 1; ++t) {
-    if (unpack && t + 1 < steps) unpack_step(t + 1);
-    if (t < steps) {  // step t's multiplies: into tiles 0, 1 (even steps) or 2, 3 (odd)
-      const int8_t* xt = x + t * 2 * kInt4GroupCols;
-      const uint8_t* bt = weights + t * 2 * kBlockTileBytes;
-      _tile_loadd(4, xt, q.K);
-      _tile_loadd(6, bt, 64);
-      _tile_loadd(5, xt + kInt4GroupCols, q.K);
-      _tile_loadd(7, bt + kBlockTileBytes, 64);
-      if (t % 2 == 0) {
-        _tile_zero(0);
-        TERN_TILE_DOT(0, 4, 6);
-        _tile_zero(1);
-        TERN_TILE_DOT(1, 5, 7);
-      } else {
-        _tile_zero(2);
-        TERN_TILE_DOT(2, 4, 6);
-        _tile_zero(3);
-        TERN_TILE_DOT(3, 5, 7);
-      }
-    }
-    if (t >= 1 && t - 1 < steps) {  // step t - 1's dots, done by now, into memory
-      if ((t - 1) % 2 == 0) {
-        _tile_stored(0, dots[0][0], 64);
-        _tile_stored(1, dots[0][1], 64);
-      } else {
-        _tile_stored(2, dots[1][0], 64);
-        _tile_stored(3, dots[1][1], 64);
-      }
-    }
-    if (t >= 2) read_back(t - 2, dots[t % 2]);
-  }
 }
-
-#undef TERN_TILE_DOT
 
 // Sub-block j's 6-bit scales of the 16 weight rows (q4k super-block at sa and sb), one per int32 lane.
 inline __m512i sub_block_scales(const uint8_t* sa, const uint8_t* sb, int j) {
@@ -176,8 +103,9 @@ void q4k_sub_block_tile(const Q4KProblem& p, int64_t m0, const uint8_t* wa, cons
   __m512 fsum[kTileRows];
   for (int m = 0; m < kTileRows; ++m) isum[m] = _mm512_setzero_si512(), fsum[m] = _mm512_setzero_ps();
   auto nibbles_at = [](int64_t c) { return c / 8 * kQ4KSuperBytes + 128 + 128 * (c % 8); };
-  tile_steps<Nibbles::kUnsigned>(q, q.values + m0 * q.K, wa, wb, weights, unpack, nibbles_at,
-                                 [&](int64_t step, const int32_t (*dots)[kTileRows][16]) {
+  amx::tile_steps<WeightBytes::kUnsigned, kInt4GroupCols>(
+      q, q.values + m0 * q.K, weights, unpack, block_unpacker<WeightBytes::kUnsigned>(wa, wb, weights, nibbles_at),
+      [&](int64_t step, const int32_t (*dots)[kTileRows][16]) {
     // sub-blocks j, j + 1 of super-block s
     const int64_t s = step / 4;
     const int j = static_cast<int>(step % 4) * 2;
@@ -322,8 +250,9 @@ void q4_tile(const Q4Problem& p, int64_t m0, const uint8_t* wa, const uint8_t* w
   __m512 acc[kTileRows];
   for (int m = 0; m < kTileRows; ++m) acc[m] = _mm512_setzero_ps();
   auto nibbles_at = [](int64_t c) { return c * kQ4GroupBytes; };
-  tile_steps<Nibbles::kCentred>(q, q.values + m0 * q.K, wa, wb, weights, unpack, nibbles_at,
-                                [&](int64_t step, const int32_t (*dots)[kTileRows][16]) {
+  amx::tile_steps<WeightBytes::kSigned, kInt4GroupCols>(
+      q, q.values + m0 * q.K, weights, unpack, block_unpacker<WeightBytes::kSigned>(wa, wb, weights, nibbles_at),
+      [&](int64_t step, const int32_t (*dots)[kTileRows][16]) {
     for (int h = 0; h < 2; ++h) {
       const int64_t c = 2 * step + h;
       const __m512 d = avx512::two_fp16_rows(wa + c * kQ4GroupBytes + 128, wb + c * kQ4GroupBytes + 128);
@@ -336,45 +265,19 @@ void q4_tile(const Q4Problem& p, int64_t m0, const uint8_t* wa, const uint8_t* w
   for (int m = 0; m < kTileRows; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, acc[m], p.out_bf16);
 }
 
-using TileFn = void (*)(const Int4Problem&, int64_t, const uint8_t*, const uint8_t*, uint8_t*, bool, int64_t);
-using PairsFn = void (*)(const Int4Problem&, int64_t, int64_t, int64_t);
-using GroupsFn = void (*)(const Int4Problem&, int64_t, int64_t);
-
-// Groups [g0, g1): pairs by `tile` for every full tile of 16 activation rows, the rows past them by `pairs`
-// (AVX512), an odd group by `odd` (AVX2).
-void amx_groups(const Int4Problem& p, int64_t g0, int64_t g1, int64_t group_stride, TileFn tile, PairsFn pairs,
-                GroupsFn odd, const TileShape& shape) {
-  const int64_t paired_end = g0 + (g1 - g0) / 2 * 2, full_tiles = p.M / kTileRows * kTileRows;
-  if (full_tiles > 0 && g0 < paired_end) {
-    configure_tiles(shape);  // the tile configuration is per thread
-    // A pair's nibbles as tile rows: unpacked by its first tile of activation rows, for all of them.
-    thread_local std::vector<uint8_t> weights;
-    weights.resize(p.x->K * shape.weight_bytes_per_column);
-    for (int64_t g = g0; g < paired_end; g += 2) {
-      const uint8_t* wa = p.w + g * group_stride;
-      const uint8_t* wb = wa + group_stride;
-      for (int64_t m = 0; m < full_tiles; m += kTileRows)
-        tile(p, m, wa, wb, weights.data(), m == 0, g * kInt4GroupRows);
-    }
-    _tile_release();
-  }
-  if (full_tiles < p.M && g0 < paired_end) pairs(p, full_tiles, g0, paired_end);  // rows past the tiles
-  if (paired_end < g1) odd(p, paired_end, g1);  // an odd group left: the AVX2 kernel, the same bits
-}
-
 }  // namespace
 
 void q4k_groups_amx(const Q4KProblem& p, int64_t g0, int64_t g1) {
   const int64_t group_stride = p.x->blocks * kQ4KSuperBytes;
   if (p.M < 2 * kTileRows)  // one tile of activation rows: by sub-block (see the header)
-    return amx_groups(p, g0, g1, group_stride, q4k_sub_block_tile, q4k_pairs_avx512, q4k_groups_avx2, kBlockTiles);
-  amx_groups(p, g0, g1, group_stride, q4k_tile, q4k_pairs_avx512, q4k_groups_avx2, kScalePartTiles);
+    return amx::groups(p, g0, g1, group_stride, q4k_sub_block_tile, q4k_pairs_avx512, q4k_groups_avx2, kBlockTiles);
+  amx::groups(p, g0, g1, group_stride, q4k_tile, q4k_pairs_avx512, q4k_groups_avx2, kScalePartTiles);
 }
 
 void q4_groups_amx(const Q4Problem& p, int64_t g0, int64_t g1) {
   // The tiles take blocks two at a time; an odd count (K = 32 * odd: no model here has one) stays on AVX512.
   if (p.x->blocks % 2) return q4_groups_avx512(p, g0, g1);
-  amx_groups(p, g0, g1, p.x->blocks * kQ4GroupBytes, q4_tile, q4_pairs_avx512, q4_groups_avx2, kBlockTiles);
+  amx::groups(p, g0, g1, p.x->blocks * kQ4GroupBytes, q4_tile, q4_pairs_avx512, q4_groups_avx2, kBlockTiles);
 }
 
 }  // namespace tern

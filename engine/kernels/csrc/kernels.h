@@ -107,6 +107,11 @@ constexpr int64_t kQ6KSuperCols = 256, kQ6KSuperBytes = 1680, kQ6KHeaderBytes = 
 constexpr int64_t kQ6KGroupBytes = 210;  // per 8 rows and 32 columns on average: a row of K values is K * 105 / 128 bytes
 void q6k_groups_avx2(const Q6KProblem& p, int64_t g0, int64_t g1);
 void q6k_groups_avx512(const Q6KProblem& p, int64_t g0, int64_t g1);
+// Pairs of groups [g0, g1) (an even count) for activation rows m0.. only: what the AMX kernel leaves to AVX512.
+void q6k_pairs_avx512(const Q6KProblem& p, int64_t m0, int64_t g0, int64_t g1);
+// The same on AMX-INT8 (q6k_amx.cpp): tiles of 16 activation rows, the rows past the last full tile as
+// q6k_groups_avx512 does them, the same bits. Only once Linux has granted the process the tile state.
+void q6k_groups_amx(const Q6KProblem& p, int64_t g0, int64_t g1);
 
 // int8 weights with one fp16 scale d per 32 values of a row (w = d * q: GGUF's Q8_0), packed per group of 8 rows
 // and 32 columns as 256 bytes of q + 128, then 8 fp16 d (engine/kernels/layouts.py). Activations come in blocks

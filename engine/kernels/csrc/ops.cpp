@@ -178,6 +178,7 @@ TORCH_LIBRARY(tern, m) {
 #ifdef TERN_WITH_AMX
   m.def("q4_mm_amx(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q4k_mm_amx(Tensor x, Tensor w_packed) -> Tensor");
+  m.def("q6k_mm_amx(Tensor x, Tensor w_packed) -> Tensor");
 #endif
 }
 
@@ -211,5 +212,6 @@ TORCH_LIBRARY_IMPL(tern, CPU, m) {
 #ifdef TERN_WITH_AMX
   m.impl("q4_mm_amx", &tern::int4_mm<tern::q4_groups_amx, tern::kQ4GroupBytes>);
   m.impl("q4k_mm_amx", &tern::int4_mm<tern::q4k_groups_amx, tern::kQ4GroupBytes, tern::kQ4KActivations>);
+  m.impl("q6k_mm_amx", &tern::int4_mm<tern::q6k_groups_amx, tern::kQ6KGroupBytes, tern::kQ6KActivations>);
 #endif
 }

@@ -8,6 +8,7 @@
 #include "avx512.h"
 #include "kernels.h"
 #include "prefetch.h"
+#include "q6k_avx512.h"
 
 #include <immintrin.h>
 
@@ -17,23 +18,6 @@ namespace tern {
 namespace {
 
 constexpr int kTileRows = 8;  // activation rows sharing each weight load
-
-// Nibble register i's 6-bit values, its low and high nibbles: the top bits of an even i sit at bits 0-1 (low) and
-// 2-3 (high) of the top-bit register's bytes, of an odd i at 4-5 and 6-7; each pair goes to bits 4-5.
-template <bool kOdd>
-inline void six_bits(__m512i packed, __m512i highs, __m512i& lo, __m512i& hi) {
-  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
-  lo = _mm512_and_si512(packed, low);
-  hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-  // lo | (shifted & top): one vpternlogd (0xF8: a | (b & c))
-  if constexpr (kOdd) {
-    lo = _mm512_ternarylogic_epi32(lo, highs, top, 0xF8);
-    hi = _mm512_ternarylogic_epi32(hi, _mm512_srli_epi16(highs, 2), top, 0xF8);
-  } else {
-    lo = _mm512_ternarylogic_epi32(lo, _mm512_slli_epi16(highs, 4), top, 0xF8);
-    hi = _mm512_ternarylogic_epi32(hi, _mm512_slli_epi16(highs, 2), top, 0xF8);
-  }
-}
 
 // out[m, rows n0..n0+15] for MB activation rows against groups wa (rows n0..n0+7) and wb (n0+8..n0+15).
 template <int MB>
@@ -63,8 +47,8 @@ inline void pair_rows(const Q6KProblem& p, int64_t m0, const uint8_t* wa, const 
           const int i = 2 * h + k;
           const __m512i packed = avx512::two_groups(ca + 32 * i, cb + 32 * i);
           __m512i lo, hi;
-          if (k == 0) six_bits<false>(packed, highs, lo, hi);
-          else six_bits<true>(packed, highs, lo, hi);
+          if (k == 0) q6k::six_bits<false>(packed, highs, lo, hi);
+          else q6k::six_bits<true>(packed, highs, lo, hi);
           for (int m = 0; m < MB; ++m) {
             dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(x[m][2 * i]));
             dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(x[m][2 * i + 1]));
@@ -88,11 +72,11 @@ inline void pair_rows(const Q6KProblem& p, int64_t m0, const uint8_t* wa, const 
 
 }  // namespace
 
-void q6k_groups_avx512(const Q6KProblem& p, int64_t g0, int64_t g1) {
+void q6k_pairs_avx512(const Q6KProblem& p, int64_t m0, int64_t g0, int64_t g1) {
   const int64_t group_stride = p.x->blocks * kQ6KSuperBytes;  // 8 rows, all of K
   for (; g0 + 1 < g1; g0 += 2) {
     const uint8_t* wa = p.w + g0 * group_stride;
-    for (int64_t m = 0; m < p.M; m += kTileRows) {
+    for (int64_t m = m0; m < p.M; m += kTileRows) {
       switch (std::min<int64_t>(kTileRows, p.M - m)) {
         case 1: pair_rows<1>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
         case 2: pair_rows<2>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
@@ -105,7 +89,12 @@ void q6k_groups_avx512(const Q6KProblem& p, int64_t g0, int64_t g1) {
       }
     }
   }
-  if (g0 < g1) q6k_groups_avx2(p, g0, g1);  // an odd group left: the AVX2 kernel, the same bits
+}
+
+void q6k_groups_avx512(const Q6KProblem& p, int64_t g0, int64_t g1) {
+  const int64_t paired_end = g0 + (g1 - g0) / 2 * 2;
+  q6k_pairs_avx512(p, 0, g0, paired_end);
+  if (paired_end < g1) q6k_groups_avx2(p, paired_end, g1);  // an odd group left: the AVX2 kernel, the same bits
 }
 
 }  // namespace tern
