@@ -2,12 +2,13 @@
 
     .venv/bin/python bench/kernels.py [--rows 1 16 256] [--reps 5] [--path avx2]
     .venv/bin/python bench/kernels.py --stack 1b --rows 1 16 128 --reps 7    # the 4-bit layouts on 1B shapes
-    .venv/bin/python bench/kernels.py --stack 1b --rows 16 32 256 --path amx   # q4, q4k on AMX against AVX512's
+    .venv/bin/python bench/kernels.py --stack 1b --rows 16 32 256 --path amx   # q4, q4k, q6k on AMX against AVX512's
 
 The default stack is one decode step's matmuls of SmolLM2-135M: 30 layers of qkv (960x576), o (576x576), gate_up
 (3072x576) and down (576x1536), then the lm_head (49152x576); `--stack 1b` is 4 layers of Llama-3.2-1B's (qkv
 3072x2048, o 2048x2048, gate_up 16384x2048, down 2048x8192; no head), where Q4_K's super-blocks fit, so the 4-bit
-layouts a GGUF's blocks go into (int4, q4 for Q4_0, q4k for Q4_K) are compared on the same nibbles. `rows` is the
+layouts a GGUF's blocks go into (int4, q4 for Q4_0, q4k for Q4_K) are compared on the same nibbles, and q6k (Q6_K:
+a Q4_K_M file's head and half its ffn_down and attn_v) is timed on the same shapes. `rows` is the
 batch (1: one stream, 16: sixteen streams, 256: a prefill step). Every candidate runs on float32 activations, as the engine runs on CPUs without
 AVX512-BF16 (aten's int8pack/int4pack ops are given bf16 activations, their fast case, and converted back).
 Candidates alternate within each repetition; each figure is the median, and tok/s is rows over the stack's time.
@@ -73,6 +74,14 @@ def candidates(cpu: kernels.CpuKernels) -> dict[str, callable]:
         weights = [torch.randn(n, k) for n, k in SHAPES]
         return lambda xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights]
 
+    def tern_q6k(q6k_mm=cpu.q6k_mm):
+        def build():
+            weights = [(layouts.pack_q6k(torch.randint(0, 64, (n, k), dtype=torch.uint8),
+                                         torch.randint(-128, 128, (n, k // 16)).to(torch.int8),
+                                         torch.rand(n, k // 256).half() / 100), k) for n, k in SHAPES]
+            return lambda xs: [q6k_mm(xs[k], w) for w, k in weights]
+        return build
+
     def tern_4bit(layout: str, q4_mm=cpu.q4_mm, q4k_mm=cpu.q4k_mm):  # the same nibbles in each 4-bit layout
         def build():
             weights = []
@@ -97,9 +106,12 @@ def candidates(cpu: kernels.CpuKernels) -> dict[str, callable]:
     if SHAPES is STACKS["1b"]:  # the 4-bit layouts against each other; no head
         found = {f"Tern {layout} ({cpu.path})": tern_4bit(layout) for layout in ("int4", "q4", "q4k")
                  if getattr(cpu, f"{layout}_mm") is not None}
+        if cpu.q6k_mm is not None:
+            found[f"Tern q6k ({cpu.path})"] = tern_q6k()
         if cpu.path == "amx":  # its kernels against the avx512 ones they replace
             found[f"Tern q4 ({AMX_TWIN})"] = tern_4bit("q4", q4_mm=torch.ops.tern.q4_mm_avx512)
             found[f"Tern q4k ({AMX_TWIN})"] = tern_4bit("q4k", q4k_mm=torch.ops.tern.q4k_mm_avx512)
+            found[f"Tern q6k ({AMX_TWIN})"] = tern_q6k(torch.ops.tern.q6k_mm_avx512)
     elif cpu.int4_mm is not None:
         found[f"Tern int4 ({cpu.path})"] = tern_int4
     return found
@@ -136,7 +148,7 @@ def main() -> None:
         print(f"| {rows} | " + " | ".join(cells) + " |")
         paired[rows] = {layout: statistics.median(a / b for a, b in zip(times[f"Tern {layout} (amx)"],
                                                                        times[f"Tern {layout} ({AMX_TWIN})"]))
-                        for layout in ("q4", "q4k") if f"Tern {layout} ({AMX_TWIN})" in times}
+                        for layout in ("q4", "q4k", "q6k") if f"Tern {layout} ({AMX_TWIN})" in times}
     if any(paired.values()):
         # Each repetition runs the two one after the other, so their ratio is steadier on a shared VM than the
         # ratio of the medians above (neighbours' load drifts between repetitions, less within one).

@@ -3,7 +3,7 @@
 // q4k_pair_rows), with the dots made by tile multiplies. Both kernels give the same bits.
 //
 // Per pair of groups (16 weight rows) and tile of 16 activation rows, in steps of two (sub-)blocks of 32 columns:
-// tdpbsud multiplies A, the activation rows' int8s (straight from QuantizedRows, stride K), by B, the 16 weight
+// tdpbsud (tdpbssd for q4's centred values) multiplies A, the activation rows' int8s (straight from QuantizedRows, stride K), by B, the 16 weight
 // rows' nibbles as bytes. The AVX512 loop's registers `lo` and `hi` are exactly B's rows (row 2r: each weight row's
 // columns 8r..8r+3 in its int32 lane, row 2r + 1: columns 8r+4..8r+7), so B is that loop's loads, ands and shift,
 // stored; the first tile of activation rows unpacks them for all of K, the others reuse them. The 16 x 16 int32
@@ -20,10 +20,10 @@
 // rows, 0.59x at 64, 0.60-0.63x at 256; by sub-block 0.78-0.80x, 0.75x, 0.77x. With one tile of activation rows the
 // unpacking is not shared, so batches under 32 rows go by sub-block.
 //
-// A tile load waits for the stores it reads until they retire, so the work is pipelined: a step's weights are
-// unpacked a step before their tile loads, its dots stored a step after its multiplies and read back a step after
-// that (q4k by scale parts: a super-block's dots two steps after its last multiply, read back two steps later).
-// Without it the AMX kernels were no faster than the AVX512 ones.
+// The tile configuration, the pipeline of steps (amx::tile_steps: weights unpacked a step ahead, dots stored a step
+// after their multiplies and read back a step after that) and the walk over pairs and tiles are amx_tiles.h's; q4k by
+// scale parts keeps a pipeline of its own (a super-block's dots stored a step into the next super-block and read back
+// two steps after that).
 #include "amx_tiles.h"
 #include "avx512.h"
 #include "kernels.h"
