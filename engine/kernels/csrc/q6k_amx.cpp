@@ -28,7 +28,6 @@ using amx::kTileRows;
 constexpr int64_t kSubBlockCols = 16;
 constexpr int64_t kSubBlockTileBytes = kSubBlockCols / 4 * 64;  // tile B: a sub-block's 16 weight rows x 16 columns
 constexpr amx::TileShape kSubBlockTiles{kSubBlockCols, kSubBlockCols / 4, kSubBlockTileBytes / kSubBlockCols};
-static_assert(kSubBlockTiles.weight_bytes_per_column * 2 * kSubBlockCols == 2 * kSubBlockTileBytes);
 
 // Block c's 16 weight rows (groups at wa and wb, c counted over all of K) as two B tiles, one per sub-block, each
 // value q - 32 as a signed byte.
@@ -42,10 +41,8 @@ inline void weight_rows(const uint8_t* wa, const uint8_t* wb, int64_t c, uint8_t
     uint8_t(*rows)[64] = reinterpret_cast<uint8_t(*)[64]>(out + h * kSubBlockTileBytes);
     for (int k = 0; k < 2; ++k) {
       const int i = 2 * h + k;
-      const __m512i packed = avx512::two_groups(ca + 32 * i, cb + 32 * i);
       __m512i lo, hi;
-      if (k == 0) q6k::six_bits<false>(packed, highs, lo, hi);
-      else q6k::six_bits<true>(packed, highs, lo, hi);
+      q6k::register_values(ca, cb, highs, i, lo, hi);
       _mm512_storeu_si512(rows[2 * k], _mm512_sub_epi8(lo, centre));
       _mm512_storeu_si512(rows[2 * k + 1], _mm512_sub_epi8(hi, centre));
     }

@@ -45,10 +45,8 @@ inline void pair_rows(const Q6KProblem& p, int64_t m0, const uint8_t* wa, const 
         for (int m = 0; m < MB; ++m) dot[m] = _mm512_set1_epi32(-32 * q.sums16[(m0 + m) * per_row + s * 16 + j]);
         for (int k = 0; k < 2; ++k) {
           const int i = 2 * h + k;
-          const __m512i packed = avx512::two_groups(ca + 32 * i, cb + 32 * i);
           __m512i lo, hi;
-          if (k == 0) q6k::six_bits<false>(packed, highs, lo, hi);
-          else q6k::six_bits<true>(packed, highs, lo, hi);
+          q6k::register_values(ca, cb, highs, i, lo, hi);
           for (int m = 0; m < MB; ++m) {
             dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(x[m][2 * i]));
             dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(x[m][2 * i + 1]));

@@ -4,6 +4,10 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
+
+#include "avx512.h"
+
 namespace tern::q6k {
 
 // Nibble register i's 6-bit values, its low and high nibbles: the top bits of an even i sit at bits 0-1 (low) and
@@ -21,6 +25,14 @@ inline void six_bits(__m512i packed, __m512i highs, __m512i& lo, __m512i& hi) {
     lo = _mm512_ternarylogic_epi32(lo, _mm512_slli_epi16(highs, 4), top, 0xF8);
     hi = _mm512_ternarylogic_epi32(hi, _mm512_slli_epi16(highs, 2), top, 0xF8);
   }
+}
+
+// Nibble register i of the block at ca (group a) and cb (group b) as 6-bit values, lo and hi, with `highs` the
+// top-bit register of its sub-block (i / 2).
+inline void register_values(const uint8_t* ca, const uint8_t* cb, __m512i highs, int i, __m512i& lo, __m512i& hi) {
+  const __m512i packed = avx512::two_groups(ca + 32 * i, cb + 32 * i);
+  if (i % 2 == 0) six_bits<false>(packed, highs, lo, hi);
+  else six_bits<true>(packed, highs, lo, hi);
 }
 
 }  // namespace tern::q6k
