@@ -76,6 +76,64 @@ struct Scratch {
   std::vector<float> query, scores, acc, sums;
 };
 
+// Heads [0, HB) x registers [j0, j0 + JB) of a row's weighted values: acc[h][j] = sum over positions l < n, in
+// order, of score[h][l] * value[l][j], kept in registers over all the positions (HB * JB of them), each value read
+// once for the HB heads. Each sum is the fused multiply-adds from zero that the order of positions gives, so the
+// bits do not depend on how the heads and registers are blocked.
+template <class V, int HB, int JB, typename T>
+inline void weigh_block(const T* v_cache, const int64_t* slots, int64_t row_stride, const float* scores,
+                        int64_t score_stride, int64_t n, int64_t j0, float* acc, int64_t D) {
+  using Reg = typename V::Reg;
+  Reg sums[HB][JB];
+  for (int h = 0; h < HB; ++h)
+    for (int j = 0; j < JB; ++j) sums[h][j] = V::zero();
+  for (int64_t l = 0; l < n; ++l) {
+    if (l + kPrefetch < n) prefetch_row(v_cache + slots[l + kPrefetch] * row_stride + j0 * V::kLanes, JB * V::kLanes);
+    const T* value = v_cache + slots[l] * row_stride + j0 * V::kLanes;
+    Reg score[HB];
+    for (int h = 0; h < HB; ++h) score[h] = V::set1(scores[h * score_stride + l]);
+    for (int j = 0; j < JB; ++j) {
+      const Reg v = V::load(value + j * V::kLanes);
+      for (int h = 0; h < HB; ++h) sums[h][j] = V::fmadd(score[h], v, sums[h][j]);
+    }
+  }
+  for (int h = 0; h < HB; ++h)
+    for (int j = 0; j < JB; ++j) V::store(acc + h * D + (j0 + j) * V::kLanes, sums[h][j]);
+}
+
+template <class V, int JB, typename T>
+inline void weigh_heads(int64_t heads, const T* v_cache, const int64_t* slots, int64_t row_stride,
+                        const float* scores, int64_t score_stride, int64_t n, int64_t j0, float* acc, int64_t D) {
+  switch (heads) {  // at most kMaxBlockHeads
+    case 1: return weigh_block<V, 1, JB>(v_cache, slots, row_stride, scores, score_stride, n, j0, acc, D);
+    case 2: return weigh_block<V, 2, JB>(v_cache, slots, row_stride, scores, score_stride, n, j0, acc, D);
+    case 3: return weigh_block<V, 3, JB>(v_cache, slots, row_stride, scores, score_stride, n, j0, acc, D);
+    default: return weigh_block<V, 4, JB>(v_cache, slots, row_stride, scores, score_stride, n, j0, acc, D);
+  }
+}
+
+// A row's G heads' weighted values (acc[h * D ..], their scores at scores[h * score_stride ..], n positions), in
+// blocks of heads and registers that fit the register file: V::kAccumulators sums at a time.
+constexpr int64_t kMaxBlockHeads = 4;
+template <class V, typename T>
+void weigh_values(const T* v_cache, const int64_t* slots, int64_t row_stride, const float* scores,
+                  int64_t score_stride, int64_t n, int64_t G, int64_t D, float* acc) {
+  const int64_t vectors = D / V::kLanes;
+  const int64_t JB = vectors % 8 == 0 && V::kAccumulators >= 16 ? 8 : vectors % 4 == 0 ? 4 : vectors % 2 == 0 ? 2 : 1;
+  const int64_t block_heads = std::min<int64_t>(kMaxBlockHeads, std::max<int64_t>(V::kAccumulators / JB, 1));
+  for (int64_t h = 0; h < G; h += block_heads) {
+    const int64_t heads = std::min(block_heads, G - h);
+    for (int64_t j0 = 0; j0 < vectors; j0 += JB) {
+      const float* s = scores + h * score_stride;
+      float* a = acc + h * D;
+      if (JB == 8) weigh_heads<V, 8>(heads, v_cache, slots, row_stride, s, score_stride, n, j0, a, D);
+      else if (JB == 4) weigh_heads<V, 4>(heads, v_cache, slots, row_stride, s, score_stride, n, j0, a, D);
+      else if (JB == 2) weigh_heads<V, 2>(heads, v_cache, slots, row_stride, s, score_stride, n, j0, a, D);
+      else weigh_heads<V, 1>(heads, v_cache, slots, row_stride, s, score_stride, n, j0, a, D);
+    }
+  }
+}
+
 // One tile's KV head: R rows (a sequence at one position each, each row's context a prefix of the last row's:
 // lengths[r] <= lengths[R - 1]), each with its G query heads. Each key and value is read once for the tile; each
 // (row, head)'s arithmetic is what it would be alone, in the same order: its scores one dot per position, its
@@ -138,16 +196,20 @@ void attend_tile(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_
         row, n, V::zero(), [&](Reg s) { return V::exp(V::sub(s, max_v)); }, add)));
     map_row<V>(row, n, V::zero(), [&](Reg e) { return V::div(e, sum); }, add);
   }
-  first_row = 0;
-  for (int64_t l = 0; l < length; ++l) {
-    if (l + kPrefetch < length) prefetch_row(v_cache + slots[l + kPrefetch] * row_stride, D);
-    while (lengths[first_row] <= l) ++first_row;
-    const T* value = v_cache + slots[l] * row_stride;
-    for (int64_t j = 0; j < vectors; ++j) {
-      const Reg v = V::load(value + j * V::kLanes);
-      for (int64_t head = first_row * G; head < heads; ++head) {
-        float* a = &acc[head * D + j * V::kLanes];
-        V::store(a, V::fmadd(V::set1(scores[head * length + l]), v, V::load(a)));
+  if (R == 1) {  // a decode row: its heads' sums in registers (the same bits as the loop below)
+    weigh_values<V>(v_cache, slots, row_stride, scores.data(), length, length, G, D, acc.data());
+  } else {  // a prompt's tile: each value read once for all its rows, their sums in memory
+    first_row = 0;
+    for (int64_t l = 0; l < length; ++l) {
+      if (l + kPrefetch < length) prefetch_row(v_cache + slots[l + kPrefetch] * row_stride, D);
+      while (lengths[first_row] <= l) ++first_row;
+      const T* value = v_cache + slots[l] * row_stride;
+      for (int64_t j = 0; j < vectors; ++j) {
+        const Reg v = V::load(value + j * V::kLanes);
+        for (int64_t head = first_row * G; head < heads; ++head) {
+          float* a = &acc[head * D + j * V::kLanes];
+          V::store(a, V::fmadd(V::set1(scores[head * length + l]), v, V::load(a)));
+        }
       }
     }
   }

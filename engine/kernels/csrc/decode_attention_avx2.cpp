@@ -9,6 +9,7 @@ struct Avx2 {
   using Reg = __m256;
   using Mask = __m256i;
   static constexpr int64_t kLanes = 8;
+  static constexpr int64_t kAccumulators = 12;  // registers of sums weigh_values keeps (of 16)
 
   static Reg zero() { return _mm256_setzero_ps(); }
   static Reg set1(float v) { return _mm256_set1_ps(v); }

@@ -8,6 +8,7 @@ struct Avx512 {
   using Reg = __m512;
   using Mask = __mmask16;
   static constexpr int64_t kLanes = 16;
+  static constexpr int64_t kAccumulators = 24;  // registers of sums weigh_values keeps (of 32)
 
   static Reg zero() { return _mm512_setzero_ps(); }
   static Reg set1(float v) { return _mm512_set1_ps(v); }
