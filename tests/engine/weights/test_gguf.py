@@ -363,18 +363,47 @@ def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path)
         assert torch.equal(rows, reference["model.embed_tokens.weight"][ids])
 
 
-def test_a_gguf_answers_as_transformers_does_on_the_same_file(tiny_gguf, tmp_path):
+ON_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                          reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+def test_a_gguf_answers_as_transformers_does_on_the_same_file(tiny_gguf, tmp_path, device):
     """Greedy tokens with the file's values in float32 (quantization none) match transformers' on the same file:
-    the config, the tokenizer, the names and the q/k row order all come from the file."""
-    engine = Engine(EngineConfig(model=str(tiny_gguf), quantization="none", dtype="float32",
+    the config, the tokenizer, the names and the q/k row order all come from the file. On CUDA every type the file
+    holds is de-quantized tensor by tensor onto the GPU."""
+    engine = Engine(EngineConfig(model=str(tiny_gguf), quantization="none", dtype="float32", device=device,
                                  cache_dir=str(tmp_path))).start()
     try:
-        hf = transformers_model(tiny_gguf)
+        assert engine.device.type == device
+        hf = transformers_model(tiny_gguf).to(device)
         prompt = engine.loaded.tokenizer.encode("The capital of France is")
         [completion] = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+        expected = hf.generate(torch.tensor([prompt], device=device), max_new_tokens=12, do_sample=False,
                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert completion.choices[0].token_ids == expected
+    finally:
+        engine.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_k_quant_gguf_serves_on_cuda_in_bf16_with_its_own_values(tmp_path):
+    """`auto` on CUDA: the file's blocks de-quantized to bf16 on the GPU (the values gguf de-quantizes, rounded to
+    bf16), and the engine answers with them."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", Q4_K_M, tied=False)
+    engine = Engine(EngineConfig(model=str(path), cache_dir=str(tmp_path / "cache"))).start()
+    try:
+        assert engine.device.type == "cuda" and engine.loaded.dtype == torch.bfloat16
+        assert engine.loaded.quantization == "none"
+        reference = transformers_model(path).state_dict()
+        ours = engine.loaded.model.state_dict()
+        down = ours["model.layers.0.mlp.down_proj.weight"]
+        assert down.device.type == "cuda" and down.dtype == torch.bfloat16
+        assert torch.equal(down.cpu(), reference["model.layers.0.mlp.down_proj.weight"].to(torch.bfloat16))
+        prompt = engine.loaded.tokenizer.encode("The capital of France is")
+        [completion] = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        assert len(completion.choices[0].token_ids) == 8
     finally:
         engine.stop()
 
