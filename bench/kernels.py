@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/kernels.py [--rows 1 16 256] [--reps 5] [--path avx2]
     .venv/bin/python bench/kernels.py --stack 1b --rows 1 16 128 --reps 7    # the 4-bit layouts on 1B shapes
-    .venv/bin/python bench/kernels.py --stack 1b --rows 16 32 256 --path amx   # q4, q4k, q6k on AMX against AVX512's
+    .venv/bin/python bench/kernels.py --stack 1b --rows 16 32 256 --path amx   # q8, q4, q4k, q6k on AMX against AVX512's
 
 The default stack is one decode step's matmuls of SmolLM2-135M: 30 layers of qkv (960x576), o (576x576), gate_up
 (3072x576) and down (576x1536), then the lm_head (49152x576); `--stack 1b` is 4 layers of Llama-3.2-1B's (qkv
@@ -46,9 +46,11 @@ def candidates(cpu: kernels.CpuKernels) -> dict[str, callable]:
     def q8_weight(n, k):
         return layouts.pack_q8(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n, k // 32).half())
 
-    def tern_q8():
-        weights = [(q8_weight(n, k), k) for n, k in SHAPES]
-        return lambda xs: [cpu.q8_mm(xs[k], w) for w, k in weights]
+    def tern_q8(q8_mm=cpu.q8_mm):
+        def build():
+            weights = [(q8_weight(n, k), k) for n, k in SHAPES]
+            return lambda xs: [q8_mm(xs[k], w) for w, k in weights]
+        return build
 
     def tern_int4():  # the lm_head stays int8 (q8), as in the engine's int4 mode
         weights = []
@@ -102,16 +104,19 @@ def candidates(cpu: kernels.CpuKernels) -> dict[str, callable]:
     found = {"aten fp32 (F.linear)": aten_fp32, "aten int8pack (bf16 activations)": aten_int8pack,
              "aten int4pack (bf16 activations)": aten_int4pack}
     if cpu.q8_mm is not None:
-        found[f"Tern q8 ({cpu.path})"] = tern_q8
-    if SHAPES is STACKS["1b"]:  # the 4-bit layouts against each other; no head
+        found[f"Tern q8 ({cpu.path})"] = tern_q8()
+    if SHAPES is STACKS["1b"]:  # the 4-bit layouts against each other, and q8 (a Q8_0 file's); no head
         found = {f"Tern {layout} ({cpu.path})": tern_4bit(layout) for layout in ("int4", "q4", "q4k")
                  if getattr(cpu, f"{layout}_mm") is not None}
+        if cpu.q8_mm is not None:
+            found[f"Tern q8 ({cpu.path})"] = tern_q8()
         if cpu.q6k_mm is not None:
             found[f"Tern q6k ({cpu.path})"] = tern_q6k()
         if cpu.path == "amx":  # its kernels against the avx512 ones they replace
             found[f"Tern q4 ({AMX_TWIN})"] = tern_4bit("q4", q4_mm=torch.ops.tern.q4_mm_avx512)
             found[f"Tern q4k ({AMX_TWIN})"] = tern_4bit("q4k", q4k_mm=torch.ops.tern.q4k_mm_avx512)
             found[f"Tern q6k ({AMX_TWIN})"] = tern_q6k(torch.ops.tern.q6k_mm_avx512)
+            found[f"Tern q8 ({AMX_TWIN})"] = tern_q8(torch.ops.tern.q8_mm_avx512)
     elif cpu.int4_mm is not None:
         found[f"Tern int4 ({cpu.path})"] = tern_int4
     return found
@@ -148,7 +153,7 @@ def main() -> None:
         print(f"| {rows} | " + " | ".join(cells) + " |")
         paired[rows] = {layout: statistics.median(a / b for a, b in zip(times[f"Tern {layout} (amx)"],
                                                                        times[f"Tern {layout} ({AMX_TWIN})"]))
-                        for layout in ("q4", "q4k", "q6k") if f"Tern {layout} ({AMX_TWIN})" in times}
+                        for layout in ("q8", "q4", "q4k", "q6k") if f"Tern {layout} ({AMX_TWIN})" in times}
     if any(paired.values()):
         # Each repetition runs the two one after the other, so their ratio is steadier on a shared VM than the
         # ratio of the medians above (neighbours' load drifts between repetitions, less within one).

@@ -50,6 +50,7 @@ KERNEL_SOURCES = {
     "bf16_avx512.cpp": "avx512_bf16",
     "int4_amx.cpp": "amx",
     "q6k_amx.cpp": "amx",
+    "q8_amx.cpp": "amx",
 }
 
 OPS_ISA = "avx2"  # ops.cpp (the torch bindings and the native decode step): every kernel path needs AVX2

@@ -1,7 +1,7 @@
 """Which of Tern's CPU kernels run in this process, and why: decided once from the CPU's features.
 
 Paths, best first:
-- `amx`: `avx512`'s kernels, with Intel's AMX tile multiplies where a kernel has them (q4, q4k and q6k, batches of
+- `amx`: `avx512`'s kernels, with Intel's AMX tile multiplies where a kernel has them (q8, q4, q4k and q6k, batches of
   16 rows and more), where the CPU has AMX-INT8 and Linux grants the process its tile state;
 - `avx512`: int8 and int4 by AVX512-VNNI, decode attention in 16-float registers, bf16 by AVX512-BF16 where the CPU has it;
 - `avx2`: int8 by vpmaddubsw (the same bits as VNNI), decode attention in 8-float registers;
@@ -34,7 +34,7 @@ PATHS = ("amx", "avx512", "avx2", "off")  # best first
 REQUIRED_FLAGS = {
     "avx2": ("avx2", "fma", "f16c"),
     "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
-    # avx512's kernels, with Intel's AMX tile multiplies where a kernel has them (int4_amx.cpp)
+    # avx512's kernels, with Intel's AMX tile multiplies where a kernel has them (*_amx.cpp)
     "amx": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8"),
 }
 BF16_FLAG = "avx512_bf16"
@@ -84,8 +84,10 @@ def describe_path(path: str) -> str:
         bf16 = "avx512-bf16" if avx512 and BF16_FLAG in cpu_flags() else "aten"
         vnni = "avx512-vnni" if avx512 else "avx2"
         parts = {"int8": vnni, "int4": vnni, "q8": vnni, "bf16": bf16, "decode attention": "avx512" if avx512 else path}
-        if path == "amx":
-            parts["q4, q4k, q6k"] = "amx-int8"
+        if path == "amx":  # int8 is served by q8's kernel
+            parts["int8"] = "amx-int8"
+            del parts["q8"]
+            parts["q8, q4, q4k, q6k"] = "amx-int8"
     return f"{path} ({', '.join(f'{kind}: {impl}' for kind, impl in parts.items())})"
 
 
@@ -170,9 +172,9 @@ def kernels_for(path: str, cache_dir: Path, reason: str = "") -> CpuKernels:
         raise KernelsUnavailable(problem)
     _load_library(cache_dir)
     ops = torch.ops.tern
-    isa = "avx512" if path == "amx" else path  # amx: avx512's ops but q4's, q4k's and q6k's
+    isa = "avx512" if path == "amx" else path  # amx: avx512's ops but q8's, q4's, q4k's and q6k's
     bf16 = getattr(ops, "bf16_mm_avx512", None) if isa == "avx512" and BF16_FLAG in cpu_flags() else None
-    return CpuKernels(path, reason or "asked for", q8_mm=getattr(ops, f"q8_mm_{isa}"),
+    return CpuKernels(path, reason or "asked for", q8_mm=getattr(ops, f"q8_mm_{path}"),
                       int4_mm=getattr(ops, f"int4_mm_{isa}"), q4_mm=getattr(ops, f"q4_mm_{path}"),
                       q4k_mm=getattr(ops, f"q4k_mm_{path}") if path != "avx2" else None,
                       q5k_mm=getattr(ops, f"q5k_mm_{isa}"),
@@ -232,8 +234,8 @@ def _register_fakes() -> None:
 
     for names, shape in ((("q8_mm_avx2", "q8_mm_avx512", "int4_mm_avx2", "int4_mm_avx512", "q4_mm_avx2", "q4_mm_avx512",
                            "q4k_mm_avx2", "q4k_mm_avx512", "q5k_mm_avx2", "q5k_mm_avx512",
-                           "q6k_mm_avx2", "q6k_mm_avx512", "bf16_mm_avx512", "q4_mm_amx", "q4k_mm_amx",
-                           "q6k_mm_amx"),
+                           "q6k_mm_avx2", "q6k_mm_avx512", "bf16_mm_avx512", "q8_mm_amx", "q4_mm_amx",
+                           "q4k_mm_amx", "q6k_mm_amx"),
                           matmul_shape),
                          (("decode_attention_avx2", "decode_attention_avx512"), attention_shape)):
         for name in names:

@@ -80,7 +80,7 @@ class DecodeStep : public torch::CustomClassHolder {
 #endif
 #ifdef TERN_WITH_AMX
     } else if (isa == "amx") {  // avx512's kernels, with AMX tiles where a kernel has them
-      kernels[0] = q8_groups_avx512, kernels[1] = int4_groups_avx512, kernels[2] = q4_groups_amx;
+      kernels[0] = q8_groups_amx, kernels[1] = int4_groups_avx512, kernels[2] = q4_groups_amx;
       kernels[3] = q4k_groups_amx, kernels[4] = q6k_groups_amx, kernels[5] = q5k_groups_avx512;
       attention_ = decode_attention_avx512;
 #endif

@@ -121,6 +121,11 @@ using Q8Problem = Int4Problem;
 constexpr int64_t kQ8GroupRows = 8, kQ8GroupCols = 32, kQ8GroupBytes = 272;
 void q8_groups_avx2(const Q8Problem& p, int64_t g0, int64_t g1);
 void q8_groups_avx512(const Q8Problem& p, int64_t g0, int64_t g1);
+// Rows [m0, M) against pairs of groups [g0, g1) (an even count): q8_groups_avx512's loop, for the rows past AMX's tiles.
+void q8_pairs_avx512(const Q8Problem& p, int64_t m0, int64_t g0, int64_t g1);
+// The same on AMX-INT8 (q8_amx.cpp): tiles of 16 activation rows, the rows past the last full tile as
+// q8_groups_avx512 does them, the same bits. Only once Linux has granted the process the tile state.
+void q8_groups_amx(const Q8Problem& p, int64_t g0, int64_t g1);
 
 // bf16 x bf16 -> bf16 on AVX512-BF16, weights packed [N/4][K/32][4][32] (engine/kernels/layouts.py).
 struct Bf16Problem {

@@ -176,6 +176,7 @@ TORCH_LIBRARY(tern, m) {
   m.def("bf16_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
 #endif
 #ifdef TERN_WITH_AMX
+  m.def("q8_mm_amx(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q4_mm_amx(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q4k_mm_amx(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q6k_mm_amx(Tensor x, Tensor w_packed) -> Tensor");
@@ -210,6 +211,7 @@ TORCH_LIBRARY_IMPL(tern, CPU, m) {
   m.impl("bf16_mm_avx512", &tern::bf16_mm);
 #endif
 #ifdef TERN_WITH_AMX
+  m.impl("q8_mm_amx", &tern::q8_mm<tern::q8_groups_amx>);
   m.impl("q4_mm_amx", &tern::int4_mm<tern::q4_groups_amx, tern::kQ4GroupBytes>);
   m.impl("q4k_mm_amx", &tern::int4_mm<tern::q4k_groups_amx, tern::kQ4GroupBytes, tern::kQ4KActivations>);
   m.impl("q6k_mm_amx", &tern::int4_mm<tern::q6k_groups_amx, tern::kQ6KGroupBytes, tern::kQ6KActivations>);

@@ -52,11 +52,11 @@ inline void pair_rows(const Q8Problem& p, int64_t m0, const uint8_t* wa, const u
 
 }  // namespace
 
-void q8_groups_avx512(const Q8Problem& p, int64_t g0, int64_t g1) {
+void q8_pairs_avx512(const Q8Problem& p, int64_t m0, int64_t g0, int64_t g1) {
   const int64_t group_stride = p.x->blocks * kQ8GroupBytes;  // one group of 8 rows, all of K
   for (; g0 + 1 < g1; g0 += 2) {
     const uint8_t* wa = p.w + g0 * group_stride;
-    for (int64_t m = 0; m < p.M; m += kTileRows) {
+    for (int64_t m = m0; m < p.M; m += kTileRows) {
       switch (std::min<int64_t>(kTileRows, p.M - m)) {
         case 1: pair_rows<1>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
         case 2: pair_rows<2>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
@@ -69,7 +69,12 @@ void q8_groups_avx512(const Q8Problem& p, int64_t g0, int64_t g1) {
       }
     }
   }
-  if (g0 < g1) q8_groups_avx2(p, g0, g1);  // an odd group left: the AVX2 kernel, the same bits
+}
+
+void q8_groups_avx512(const Q8Problem& p, int64_t g0, int64_t g1) {
+  const int64_t paired_end = g0 + (g1 - g0) / 2 * 2;
+  q8_pairs_avx512(p, 0, g0, paired_end);
+  if (paired_end < g1) q8_groups_avx2(p, paired_end, g1);  // an odd group left: the AVX2 kernel, the same bits
 }
 
 }  // namespace tern

@@ -89,7 +89,7 @@ def test_amx_needs_linux_to_grant_the_tile_state(monkeypatch):
     assert path == "avx512" and "amx: Linux refuses" in why
     monkeypatch.setattr(dispatch, "_linux_grants_amx", lambda: True)
     assert kernels.planned_path("auto") == ("amx", "the best this CPU supports")
-    assert "q4, q4k, q6k: amx-int8" in dispatch.describe_path("amx") and "amx" not in dispatch.describe_path("avx512")
+    assert "q8, q4, q4k, q6k: amx-int8" in dispatch.describe_path("amx") and "amx" not in dispatch.describe_path("avx512")
 
 
 def test_a_failed_build_falls_back_to_aten_with_the_compilers_reason(monkeypatch, caplog, tmp_path):
