@@ -2,18 +2,21 @@
 checkout of Tern (an earlier commit), alternated, medians.
 
     .venv/bin/python bench/startup.py --rounds 5 --llama-bin ~/.cache/llama-cpp-src/llama.cpp/build/bin \
-        [--baseline /tmp/tern-base] [FILE.gguf ...]      # no file: the default model
+        [--baseline /tmp/tern-base] [--first-start] [FILE.gguf ...]      # no file: the default model
 
 Ready: /health answers 200 (and for Tern /v1/models says no compile is under way: the server then serves at full
 speed). Tern is started as a user starts it, `python app.py [--model FILE]`; a baseline is a checkout of another
 commit (`git worktree add /tmp/tern-base <commit>`) run by the same interpreter. Kernels and caches are built
 before the rounds (a first start per checkout, not timed). Each round starts every server once, in an order
 reversed every other round; 127.0.0.1 only. The requirement: Tern within 5 s of llama-server on the same file.
+--first-start times a new file's first start: each Tern start finds the kernels built but not the file's small
+caches (its tensor index, config and tokenizer: removed before every start).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,6 +66,22 @@ def ready_s(cmd: list[str], cwd: Path, is_tern: bool, timeout_s: float = 900, en
         stop_process(process, timeout_s=30)
 
 
+def forget_file(model: Path | None, cache: Path) -> None:
+    """Remove what a start caches about `model` (engine/weights/checkpoint.py: gguf-index, gguf-metadata), so the
+    next start reads the file as a first start does; the built kernels stay."""
+    sys.path.insert(0, str(ROOT))
+    from engine.weights.checkpoint import default_gguf_path
+
+    stem = (model or default_gguf_path()).stem
+    for kind in ("gguf-index", "gguf-metadata"):
+        for entry in (cache / kind).glob(f"{stem}-*"):
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+
+
+def cache_folder(env: dict) -> Path:
+    return Path(env.get("TERN_CACHE") or Path.home() / ".cache" / "tern")
+
+
 def environment(name: str, checkout: Path) -> dict:
     """The baseline keeps a cache folder of its own: a build of other kernel sources replaces the cache's library,
     so two checkouts sharing one would rebuild on every start."""
@@ -77,12 +96,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--llama-bin", type=Path, help="llama-server's folder; needs a model file")
     parser.add_argument("--baseline", type=Path, help="another checkout of Tern to compare with (e.g. a worktree)")
+    parser.add_argument("--first-start", action="store_true", help="time a new file's first start (see above)")
     args = parser.parse_args()
     servers = [("tern", ROOT)]
     if args.baseline:
         servers.append(("tern-baseline", args.baseline.resolve()))
     flags = " ".join(sorted(f for f in _cpu_flags() if f == "avx2" or f.startswith("avx512")))
-    print(f"CPU: {flags}; {args.rounds} rounds, alternated; seconds from launch to ready, median (min-max)")
+    what = "a new file's first start (kernels built)" if args.first_start else "seconds from launch to ready"
+    print(f"CPU: {flags}; {args.rounds} rounds, alternated; {what}, median (min-max)")
     for model in args.models or [None]:
         contenders = servers + ([("llama-server", ROOT)] if args.llama_bin and model else [])
         for name, checkout in contenders:  # a first start builds kernels and caches: not timed
@@ -93,6 +114,8 @@ def main() -> None:
             order = contenders if round_index % 2 == 0 else contenders[::-1]
             for name, checkout in order:
                 cmd = command(name, checkout, model, free_port(), args.llama_bin)
+                if args.first_start and name != "llama-server":
+                    forget_file(model, cache_folder(environment(name, checkout)))
                 times[name].append(ready_s(cmd, checkout, name != "llama-server", env=environment(name, checkout)))
         medians = {name: statistics.median(values) for name, values in times.items()}
         print(f"\n{model.name if model else 'default model'}:")

@@ -4,7 +4,6 @@ model the de-quantized float checkpoint). Each cache folder is written whole or 
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import importlib.util
 import json
@@ -17,7 +16,7 @@ import torch
 
 from engine.errors import ModelLoadError
 from engine.weights import gguf_config
-from engine.weights.gguf_file import GgufFile
+from engine.weights.gguf_file import GgufFile, reading_headers_once
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +45,10 @@ def resolve_checkpoint(model: str | None, cache_dir: Path) -> tuple[Path, str]:
     gguf_path = gguf_file_of(model)
     name = model_name(model)
     if gguf_path is not None:
-        if open_gguf(gguf_path, cache_dir).is_native:
-            return gguf_metadata(gguf_path, cache_dir), name
-        return dequantized_checkpoint(gguf_path, cache_dir), name
+        with reading_headers_once():  # a first start parses the header once, for Tern's index and transformers'
+            if open_gguf(gguf_path, cache_dir).is_native:
+                return gguf_metadata(gguf_path, cache_dir), name
+            return dequantized_checkpoint(gguf_path, cache_dir), name
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -104,7 +104,7 @@ def gguf_metadata(gguf_path: Path, cache_dir: Path) -> Path:
 
     logger.info("reading %s's config and tokenizer once into %s", gguf_path.name, folder)
     with _cache_writer(folder, cache_dir) as tmp:
-        with _gguf_read_once():
+        with reading_headers_once():
             hf_config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
             gguf_config.complete_config(hf_config, tokenizer, gguf_path)
@@ -152,7 +152,7 @@ def dequantized_checkpoint(gguf_path: Path, cache_dir: Path) -> Path:
 
     logger.info("de-quantizing %s once into %s (later starts load the cache)", gguf_path.name, folder)
     with _cache_writer(folder, cache_dir) as tmp:
-        with _gguf_read_once():
+        with reading_headers_once():
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
             hf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                             dtype=torch.float32)
@@ -180,29 +180,6 @@ def _cache_writer(folder: Path, cache_dir: Path):
         tmp.rename(folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _gguf_read_once():
-    """transformers parses the GGUF file three times (config, tokenizer, weights; its 49,152-entry vocabulary
-    one numpy view at a time) and builds gguf's tensor-name map once per module (397 times for SmolLM2): ~25 s of
-    a first start on 2 cores. Within this block each file is parsed once and each map built once."""
-    import gguf
-
-    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[str, object] = {}
-
-    def read_once(path, *args, **kwargs):
-        key = str(Path(path).resolve())
-        if key not in readers:
-            readers[key] = reader(path, *args, **kwargs)
-        return readers[key]
-
-    gguf.GGUFReader, gguf.get_tensor_name_map = read_once, functools.lru_cache(maxsize=None)(name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 def _untied_state_dict(model) -> dict[str, torch.Tensor]:

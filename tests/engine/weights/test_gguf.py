@@ -487,3 +487,41 @@ def test_an_unsupported_tensor_type_names_the_tensor_and_the_type(tmp_path):
     writer.close()
     with pytest.raises(ModelLoadError, match=r"iq\.gguf: tensor token_embd\.weight is IQ2_XS"):
         Engine(EngineConfig(model=str(path), cache_dir=str(tmp_path / "cache")))
+
+
+@pytest.mark.parametrize("which", ["default model", "tiny"])
+def test_terns_header_reader_reads_what_ggufs_own_reader_reads(which, tmp_path):
+    """A new file's first start parses its header with HeaderReader (gguf's reader over a plain array: a large
+    vocabulary's header in a third of the time): every field and tensor must be what gguf's reader finds."""
+    from engine.weights.gguf_file import HeaderReader
+
+    path = default_gguf_path() if which == "default model" else write_tiny_gguf(tmp_path / "t.gguf", every(T.Q4_K))
+    ours, theirs = HeaderReader(path), GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.types, mine.data, mine.offset) == (field.types, field.data, field.offset), name
+        assert [bytes(p) for p in mine.parts] == [bytes(p) for p in field.parts], name
+    assert len(ours.tensors) == len(theirs.tensors) > 0
+    for mine, tensor in zip(ours.tensors, theirs.tensors):
+        assert (mine.name, mine.tensor_type, list(mine.shape), mine.n_bytes, mine.data_offset) == (
+            tensor.name, tensor.tensor_type, list(tensor.shape), tensor.n_bytes, tensor.data_offset)
+        assert np.array_equal(mine.data, tensor.data), mine.name
+
+
+def test_a_first_start_parses_a_gguf_header_once_and_puts_ggufs_reader_back(tmp_path):
+    """Within reading_headers_once every reader of the file (Tern's index, transformers' config and tokenizer,
+    gguf_config) gets one parse; after it, and after a failure inside it, gguf's own reader is back."""
+    import gguf
+
+    from engine.weights.gguf_file import reading_headers_once
+
+    path = write_tiny_gguf(tmp_path / "t.gguf", every(T.Q4_0))
+    with reading_headers_once():
+        assert gguf.GGUFReader(path) is gguf.GGUFReader(str(path)) is not None
+    assert gguf.GGUFReader is GGUFReader
+    not_a_gguf = tmp_path / "text.gguf"
+    not_a_gguf.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError), reading_headers_once():
+        gguf.GGUFReader(not_a_gguf)
+    assert gguf.GGUFReader is GGUFReader
