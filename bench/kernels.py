@@ -153,7 +153,8 @@ def main() -> None:
         print(f"| {rows} | " + " | ".join(cells) + " |")
         paired[rows] = {layout: statistics.median(a / b for a, b in zip(times[f"Tern {layout} (amx)"],
                                                                        times[f"Tern {layout} ({AMX_TWIN})"]))
-                        for layout in ("q8", "q4", "q4k", "q6k") if f"Tern {layout} ({AMX_TWIN})" in times}
+                        for layout in ("q8", "q4", "q4k", "q6k")
+                        if cpu.path == "amx" and f"Tern {layout} ({AMX_TWIN})" in times}
     if any(paired.values()):
         # Each repetition runs the two one after the other, so their ratio is steadier on a shared VM than the
         # ratio of the medians above (neighbours' load drifts between repetitions, less within one).
