@@ -27,10 +27,13 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine.config import default_cache_dir  # noqa: E402
+from engine.weights.checkpoint import GGUF_INDEX_KIND, GGUF_METADATA_KIND, default_gguf_path  # noqa: E402
 from gguf_servers import free_port, stop_process  # noqa: E402
 from rounds import _cpu_flags  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 0.02
 
 
@@ -67,26 +70,23 @@ def ready_s(cmd: list[str], cwd: Path, is_tern: bool, timeout_s: float = 900, en
 
 
 def forget_file(model: Path | None, cache: Path) -> None:
-    """Remove what a start caches about `model` (engine/weights/checkpoint.py: gguf-index, gguf-metadata), so the
-    next start reads the file as a first start does; the built kernels stay."""
-    sys.path.insert(0, str(ROOT))
-    from engine.weights.checkpoint import default_gguf_path
-
+    """Remove what a start caches about `model` (engine/weights/checkpoint.py: its tensor index, config and
+    tokenizer), so the next start reads the file as a first start does; the built kernels stay."""
     stem = (model or default_gguf_path()).stem
-    for kind in ("gguf-index", "gguf-metadata"):
+    for kind in (GGUF_INDEX_KIND, GGUF_METADATA_KIND):
         for entry in (cache / kind).glob(f"{stem}-*"):
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
 
 
-def cache_folder(env: dict) -> Path:
-    return Path(env.get("TERN_CACHE") or Path.home() / ".cache" / "tern")
+def cache_of(name: str, checkout: Path) -> Path:
+    """The cache folder a Tern server uses. The baseline keeps one of its own: a build of other kernel sources
+    replaces the cache's library, so two checkouts sharing one would rebuild on every start."""
+    return checkout / ".bench-cache" if name == "tern-baseline" else default_cache_dir()
 
 
 def environment(name: str, checkout: Path) -> dict:
-    """The baseline keeps a cache folder of its own: a build of other kernel sources replaces the cache's library,
-    so two checkouts sharing one would rebuild on every start."""
     if name == "tern-baseline":
-        return {**os.environ, "TERN_CACHE": str(checkout / ".bench-cache")}
+        return {**os.environ, "TERN_CACHE": str(cache_of(name, checkout))}
     return dict(os.environ)
 
 
@@ -115,7 +115,7 @@ def main() -> None:
             for name, checkout in order:
                 cmd = command(name, checkout, model, free_port(), args.llama_bin)
                 if args.first_start and name != "llama-server":
-                    forget_file(model, cache_folder(environment(name, checkout)))
+                    forget_file(model, cache_of(name, checkout))
                 times[name].append(ready_s(cmd, checkout, name != "llama-server", env=environment(name, checkout)))
         medians = {name: statistics.median(values) for name, values in times.items()}
         print(f"\n{model.name if model else 'default model'}:")

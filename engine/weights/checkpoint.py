@@ -27,6 +27,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # leaves out, gguf_config; 3: config.json complete, read_config), so caches written before are not read.
 GGUF_METADATA_VERSION = 3
 GGUF_METADATA_KIND = "gguf-metadata"
+GGUF_INDEX_KIND = "gguf-index"  # a GGUF's tensor list, read once from its header
 
 
 def default_gguf_path() -> Path:
@@ -80,7 +81,7 @@ def gguf_file_of(model: str | None) -> Path | None:
 
 def open_gguf(gguf_path: Path, cache_dir: Path) -> GgufFile:
     """The file's header, its tensor list kept in the cache beside its metadata (a few KB, read in a millisecond)."""
-    index = _cache_folder(gguf_path, cache_dir, "gguf-index")
+    index = _cache_folder(gguf_path, cache_dir, GGUF_INDEX_KIND)
     return GgufFile.open(gguf_path, index.with_name(index.name + ".json"))
 
 

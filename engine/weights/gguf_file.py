@@ -259,8 +259,6 @@ class HeaderReader(gguf.GGUFReader):
 
 
 _headers_read: dict[str, HeaderReader] | None = None  # while reading_headers_once() is open: path -> its reader
-
-
 _reading_once = threading.RLock()  # one thread at a time swaps gguf's reader (two models may load at once)
 
 
