@@ -12,6 +12,7 @@
 // The q4 layout (kernels.h: q4_groups_avx512, GGUF's Q4_0) is the same loop without minimums: each dot starts at
 // -8 * sum(xq), so it ends at sum((q - 8) * xq), and one float step follows, q8's. The q4k layout (GGUF's Q4_K) has a
 // loop of its own below: the same dots, summed per super-block in integers.
+#include "activation_tiles.h"
 #include "avx2.h"
 #include "avx512.h"
 #include "kernels.h"
@@ -25,12 +26,11 @@
 namespace tern {
 namespace {
 
-constexpr int kTileRows = 8;  // activation rows sharing each weight load
-
-// out[m, rows n0..n0+15] for MB activation rows against groups wa (rows n0..n0+7) and wb (n0+8..n0+15); kQ4: the
-// q4 layout (no minimums), else int4.
+// out[m, rows n0..n0+15] for MB activation rows (m0.., the tile at `tile`) against groups wa (rows n0..n0+7) and
+// wb (n0+8..n0+15); kQ4: the q4 layout (no minimums), else int4.
 template <bool kQ4, int MB>
-inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, int64_t n0) {
+inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* tile, const uint8_t* wa, const uint8_t* wb,
+                      int64_t n0) {
   constexpr int64_t kBytes = kQ4 ? kQ4GroupBytes : kInt4GroupBytes;
   const QuantizedRows& q = *p.x;
   const int64_t group_stride = q.blocks * kBytes;
@@ -42,35 +42,25 @@ inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa, const
     const uint8_t* cb = wb + c * kBytes;
     prefetch_pair_stream<kBytes>(ca, wa + group_stride, group_stride);
     prefetch_pair_stream<kBytes>(cb, wb + group_stride, group_stride);
+    const Per32Tiles::Unit<MB> x(tile, c);
     __m512i dot[MB];
-    const int32_t* x[MB];
-    for (int m = 0; m < MB; ++m) {
-      dot[m] = kQ4 ? _mm512_set1_epi32(-8 * q.sums[(m0 + m) * q.blocks + c]) : _mm512_setzero_si512();
-      x[m] = reinterpret_cast<const int32_t*>(q.values + (m0 + m) * q.K + c * kInt4GroupCols);
-    }
+    for (int m = 0; m < MB; ++m) dot[m] = kQ4 ? _mm512_set1_epi32(*x.template extras<int32_t>(m)) : _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
       const __m512i packed = avx512::two_groups(ca + 32 * j, cb + 32 * j);
       const __m512i lo = _mm512_and_si512(packed, low);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
       for (int m = 0; m < MB; ++m) {
-        dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(x[m][2 * j]));
-        dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(x[m][2 * j + 1]));
+        dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(x.x(m)[2 * j]));
+        dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(x.x(m)[2 * j + 1]));
       }
     }
     const __m512 d = avx512::two_fp16_rows(ca + 128, cb + 128);
-    if constexpr (kQ4) {
-      for (int m = 0; m < MB; ++m) {
-        const float x_scale = q.scales[(m0 + m) * q.blocks + c];
-        acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(d, _mm512_set1_ps(x_scale))));
-      }
-    } else {
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(d, _mm512_set1_ps(x.scales()[m]))));
+    if constexpr (!kQ4) {
       const __m512 minimum = avx512::two_fp16_rows(ca + 144, cb + 144);
-      for (int m = 0; m < MB; ++m) {
-        const int64_t block = (m0 + m) * q.blocks + c;
-        const float x_scale = q.scales[block];
-        acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(d, _mm512_set1_ps(x_scale))));
-        acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(minimum, _mm512_set1_ps(q.sum_scales[block])));
-      }
+      for (int m = 0; m < MB; ++m)
+        acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(minimum, _mm512_set1_ps(x.template extras<float>(m)[1])));
     }
   }
   for (int m = 0; m < MB; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, acc[m], p.out_bf16);
@@ -79,21 +69,15 @@ inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa, const
 // Pairs of groups [g0, g1) (an even count) for activation rows m0.. (kQ4: the q4 layout, else int4).
 template <bool kQ4>
 void pairs(const Int4Problem& p, int64_t m0, int64_t g0, int64_t g1) {
+  if (g0 + 1 >= g1) return;
   const int64_t group_stride = p.x->blocks * (kQ4 ? kQ4GroupBytes : kInt4GroupBytes);  // 8 rows, all of K
+  const uint8_t* tiles = per32_tiles(*p.x, m0, p.M, kQ4 ? -8 : 0);
   for (; g0 + 1 < g1; g0 += 2) {
     const uint8_t* wa = p.w + g0 * group_stride;
-    for (int64_t m = m0; m < p.M; m += kTileRows) {
-      switch (std::min<int64_t>(kTileRows, p.M - m)) {
-        case 1: pair_rows<kQ4, 1>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
-        case 2: pair_rows<kQ4, 2>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
-        case 3: pair_rows<kQ4, 3>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
-        case 4: pair_rows<kQ4, 4>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
-        case 5: pair_rows<kQ4, 5>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
-        case 6: pair_rows<kQ4, 6>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
-        case 7: pair_rows<kQ4, 7>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
-        default: pair_rows<kQ4, kTileRows>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
-      }
-    }
+    for_each_tile(m0, p.M, [&](auto rows, int64_t m) {
+      pair_rows<kQ4, decltype(rows)::value>(p, m, tiles + Per32Tiles::tile_bytes(*p.x, m - m0), wa, wa + group_stride,
+                           g0 * kInt4GroupRows);
+    });
   }
 }
 
@@ -105,21 +89,22 @@ void groups(const Int4Problem& p, int64_t g0, int64_t g1) {
   if (paired_end < g1) kQ4 ? q4_groups_avx2(p, paired_end, g1) : int4_groups_avx2(p, paired_end, g1);
 }
 
-// q4k (kernels.h: llama.cpp's Q4_K x Q8_K): out[m, rows n0..n0+15] for MB activation rows against groups wa and wb.
+// q4k (kernels.h: llama.cpp's Q4_K x Q8_K): out[m, rows n0..n0+15] for MB activation rows (m0.., the tile at `tile`)
+// against groups wa and wb.
 // Per super-block two passes: the dots, each row's isum += s_j * dot_j in integers and one float step; then the
 // minimums, msum = sum_j m_j * sums32_j as vpmaddwd over int16 pairs, and the second float step. The results wait
 // in memory during the dots, which leaves registers for 8 rows a tile.
-constexpr int kQ4KTileRows = 8;
-
 template <int MB>
-inline void q4k_pair_rows(const Q4KProblem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, int64_t n0) {
-  const QuantizedRows& q = *p.x;  // blocks of 256: q.blocks super-blocks, q.sums32 (int16) per 32 values
+inline void q4k_pair_rows(const Q4KProblem& p, const uint8_t* tile, const uint8_t* wa, const uint8_t* wb,
+                          int64_t m0, int64_t n0) {
+  const QuantizedRows& q = *p.x;  // blocks of 256: q.blocks super-blocks
   const int64_t group_stride = q.blocks * kQ4KSuperBytes;
   const __m512i low = _mm512_set1_epi8(0x0F), fifteen = _mm512_set1_epi32(15), three = _mm512_set1_epi32(3);
   alignas(64) float result[MB][16] = {};
   for (int64_t s = 0; s < q.blocks; ++s) {
     const uint8_t* sa = wa + s * kQ4KSuperBytes;
     const uint8_t* sb = wb + s * kQ4KSuperBytes;
+    const SuperBlockTiles::Unit<MB> x(tile, s);
     const __m512i top_bits = avx512::two_groups(sa + 32, sb + 32);  // a row's top bits: s_j at 2j, m_j at 16 + 2j
     const __m512 d = avx512::two_fp16_rows(sa, sb);
     __m512i top = top_bits;
@@ -136,30 +121,25 @@ inline void q4k_pair_rows(const Q4KProblem& p, int64_t m0, const uint8_t* wa, co
       top = _mm512_srli_epi32(top, 2);
       const uint8_t* ca = sa + 128 + 128 * j;
       const uint8_t* cb = sb + 128 + 128 * j;
-      const int64_t c = s * 8 + j;
       __m512i dot[MB];
-      const int32_t* x[MB];
-      for (int m = 0; m < MB; ++m) {
-        dot[m] = _mm512_setzero_si512();
-        x[m] = reinterpret_cast<const int32_t*>(q.values + (m0 + m) * q.K + c * kInt4GroupCols);
-      }
+      for (int m = 0; m < MB; ++m) dot[m] = _mm512_setzero_si512();
       for (int r = 0; r < 4; ++r) {
         const __m512i packed = avx512::two_groups(ca + 32 * r, cb + 32 * r);
         const __m512i lo = _mm512_and_si512(packed, low);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
         for (int m = 0; m < MB; ++m) {
-          dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(x[m][2 * r]));
-          dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(x[m][2 * r + 1]));
+          dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(x.x(m)[8 * j + 2 * r]));
+          dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(x.x(m)[8 * j + 2 * r + 1]));
         }
       }
       for (int m = 0; m < MB; ++m) isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(dot[m], scale));
     }
     for (int m = 0; m < MB; ++m) {
-      const __m512 x_scale = _mm512_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
+      const __m512 x_scale = _mm512_set1_ps(x.scales()[m]);
       _mm512_store_ps(result[m], _mm512_add_ps(_mm512_load_ps(result[m]),
                                                _mm512_mul_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, x_scale))));
     }
-    add_pair_minimums<MB>(q, m0, s, sa, sb, top_bits, result);
+    add_pair_minimums<MB>(x, sa, sb, top_bits, result);
   }
   for (int m = 0; m < MB; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, _mm512_load_ps(result[m]), p.out_bf16);
 }
@@ -167,21 +147,15 @@ inline void q4k_pair_rows(const Q4KProblem& p, int64_t m0, const uint8_t* wa, co
 }  // namespace
 
 void q4k_pairs_avx512(const Q4KProblem& p, int64_t m0, int64_t g0, int64_t g1) {
+  if (g0 + 1 >= g1) return;
   const int64_t group_stride = p.x->blocks * kQ4KSuperBytes;  // 8 rows, all of K
+  const uint8_t* tiles = super_block_tiles(*p.x, m0, p.M);
   for (; g0 + 1 < g1; g0 += 2) {
     const uint8_t* wa = p.w + g0 * group_stride;
-    for (int64_t m = m0; m < p.M; m += kQ4KTileRows) {
-      switch (std::min<int64_t>(kQ4KTileRows, p.M - m)) {
-        case 1: q4k_pair_rows<1>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
-        case 2: q4k_pair_rows<2>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
-        case 3: q4k_pair_rows<3>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
-        case 4: q4k_pair_rows<4>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
-        case 5: q4k_pair_rows<5>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
-        case 6: q4k_pair_rows<6>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
-        case 7: q4k_pair_rows<7>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
-        default: q4k_pair_rows<kQ4KTileRows>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows); break;
-      }
-    }
+    for_each_tile(m0, p.M, [&](auto rows, int64_t m) {
+      q4k_pair_rows<decltype(rows)::value>(p, tiles + SuperBlockTiles::tile_bytes(*p.x, m - m0), wa, wa + group_stride, m,
+                          g0 * kInt4GroupRows);
+    });
   }
 }
 

@@ -4,20 +4,31 @@
 // sums, one vpmaddwd; then the second float step, result[m] += msum * (-dmin) * x_scale.
 #pragma once
 
+#include "activation_tiles.h"
 #include "avx512.h"
 #include "kernels.h"
 
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace tern {
 
-// sa, sb: the two groups' super-block s; top_bits: their top bits (avx512::two_groups(sa + 32, sb + 32)).
+// q4k's and q5k's activations per super-block of 256 (activation_tiles.h): each row's 8 int16 sums of 32 values.
+using SuperBlockTiles = TileLayout<kQ4KSuperCols, 16>;
+
+inline const uint8_t* super_block_tiles(const QuantizedRows& q, int64_t m0, int64_t M) {
+  return SuperBlockTiles::interleave(q, m0, M, [&](int64_t row, int64_t s, uint8_t* out) {
+    std::memcpy(out, q.sums32 + row * (q.K / kInt4GroupCols) + s * 8, 16);
+  });
+}
+
+// x: super-block s of the activations' tile; sa, sb: the two groups' super-block s; top_bits: their top bits
+// (avx512::two_groups(sa + 32, sb + 32)).
 template <int MB>
-inline void add_pair_minimums(const QuantizedRows& q, int64_t m0, int64_t s, const uint8_t* sa, const uint8_t* sb,
+inline void add_pair_minimums(const SuperBlockTiles::Unit<MB>& x, const uint8_t* sa, const uint8_t* sb,
                               __m512i top_bits, float (*result)[16]) {
-  const int64_t per_row = q.K / kInt4GroupCols;
   const __m512i three = _mm512_set1_epi32(3);
   __m512i pairs[4];
   for (int k = 0; k < 4; ++k) {
@@ -36,10 +47,10 @@ inline void add_pair_minimums(const QuantizedRows& q, int64_t m0, int64_t s, con
   const __m512 negative_dmin = _mm512_castsi512_ps(_mm512_xor_si512(
       _mm512_castps_si512(avx512::two_fp16_rows(sa + 16, sb + 16)), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
   for (int m = 0; m < MB; ++m) {
-    const int32_t* sums = reinterpret_cast<const int32_t*>(q.sums32 + (m0 + m) * per_row + s * 8);  // int16 pairs
+    const int32_t* sums = x.template extras<int32_t>(m);  // int16 pairs
     __m512i msum = _mm512_madd_epi16(pairs[0], _mm512_set1_epi32(sums[0]));
     for (int k = 1; k < 4; ++k) msum = _mm512_add_epi32(msum, _mm512_madd_epi16(pairs[k], _mm512_set1_epi32(sums[k])));
-    const __m512 x_scale = _mm512_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
+    const __m512 x_scale = _mm512_set1_ps(x.scales()[m]);
     _mm512_store_ps(result[m], _mm512_add_ps(_mm512_load_ps(result[m]),
         _mm512_mul_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(negative_dmin, x_scale))));
   }

@@ -6,6 +6,7 @@
 // half): 16 rows, one per int32 lane, 4 columns each, stored as q + 128. vpdpbusd multiplies those unsigned bytes
 // by 4 signed activation bytes broadcast to every lane; subtracting 128 * sum(xq) then leaves sum(q * xq), exact
 // (at most 32 * 255 * 127 before the subtraction).
+#include "activation_tiles.h"
 #include "avx512.h"
 #include "kernels.h"
 #include "prefetch.h"
@@ -17,11 +18,10 @@
 namespace tern {
 namespace {
 
-constexpr int kTileRows = 8;  // activation rows sharing each weight load
-
-// out[m, rows n0..n0+15] for MB activation rows against groups wa (rows n0..n0+7) and wb (n0+8..n0+15).
+// out[m, rows n0..n0+15] for MB activation rows (m0.., the tile at `tile`) against groups wa (rows n0..n0+7) and wb (n0+8..n0+15).
 template <int MB>
-inline void pair_rows(const Q8Problem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, int64_t n0) {
+inline void pair_rows(const Q8Problem& p, int64_t m0, const uint8_t* tile, const uint8_t* wa, const uint8_t* wb,
+                      int64_t n0) {
   const QuantizedRows& q = *p.x;
   const int64_t group_stride = q.blocks * kQ8GroupBytes;
   __m512 acc[MB];
@@ -31,21 +31,16 @@ inline void pair_rows(const Q8Problem& p, int64_t m0, const uint8_t* wa, const u
     const uint8_t* cb = wb + c * kQ8GroupBytes;
     prefetch_pair_stream<kQ8GroupBytes>(ca, wa + group_stride, group_stride);
     prefetch_pair_stream<kQ8GroupBytes>(cb, wb + group_stride, group_stride);
+    const Per32Tiles::Unit<MB> x(tile, c);
     __m512i dot[MB];
-    const int32_t* x[MB];
-    for (int m = 0; m < MB; ++m) {
-      dot[m] = _mm512_set1_epi32(-128 * q.sums[(m0 + m) * q.blocks + c]);
-      x[m] = reinterpret_cast<const int32_t*>(q.values + (m0 + m) * q.K + c * kQ8GroupCols);
-    }
+    for (int m = 0; m < MB; ++m) dot[m] = _mm512_set1_epi32(*x.template extras<int32_t>(m));
     for (int j = 0; j < 8; ++j) {
       const __m512i w = avx512::two_groups(ca + 32 * j, cb + 32 * j);
-      for (int m = 0; m < MB; ++m) dot[m] = _mm512_dpbusd_epi32(dot[m], w, _mm512_set1_epi32(x[m][j]));
+      for (int m = 0; m < MB; ++m) dot[m] = _mm512_dpbusd_epi32(dot[m], w, _mm512_set1_epi32(x.x(m)[j]));
     }
     const __m512 d = avx512::two_fp16_rows(ca + 256, cb + 256);
-    for (int m = 0; m < MB; ++m) {
-      const float x_scale = q.scales[(m0 + m) * q.blocks + c];
-      acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(d, _mm512_set1_ps(x_scale))));
-    }
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(d, _mm512_set1_ps(x.scales()[m]))));
   }
   for (int m = 0; m < MB; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, acc[m], p.out_bf16);
 }
@@ -53,21 +48,14 @@ inline void pair_rows(const Q8Problem& p, int64_t m0, const uint8_t* wa, const u
 }  // namespace
 
 void q8_pairs_avx512(const Q8Problem& p, int64_t m0, int64_t g0, int64_t g1) {
+  if (g0 + 1 >= g1) return;
   const int64_t group_stride = p.x->blocks * kQ8GroupBytes;  // one group of 8 rows, all of K
+  const uint8_t* tiles = per32_tiles(*p.x, m0, p.M, -128);
   for (; g0 + 1 < g1; g0 += 2) {
     const uint8_t* wa = p.w + g0 * group_stride;
-    for (int64_t m = m0; m < p.M; m += kTileRows) {
-      switch (std::min<int64_t>(kTileRows, p.M - m)) {
-        case 1: pair_rows<1>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
-        case 2: pair_rows<2>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
-        case 3: pair_rows<3>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
-        case 4: pair_rows<4>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
-        case 5: pair_rows<5>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
-        case 6: pair_rows<6>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
-        case 7: pair_rows<7>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
-        default: pair_rows<kTileRows>(p, m, wa, wa + group_stride, g0 * kQ8GroupRows); break;
-      }
-    }
+    for_each_tile(m0, p.M, [&](auto rows, int64_t m) {
+      pair_rows<decltype(rows)::value>(p, m, tiles + Per32Tiles::tile_bytes(*p.x, m - m0), wa, wa + group_stride, g0 * kQ8GroupRows);
+    });
   }
 }
 
