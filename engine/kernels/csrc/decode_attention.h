@@ -135,7 +135,7 @@ void weigh_values(const T* v_cache, const int64_t* slots, int64_t row_stride, co
 }
 
 // One tile's KV head: R rows (a sequence at one position each, each row's context a prefix of the last row's:
-// lengths[r] <= lengths[R - 1]), each with its G query heads. Each key and value is read once for the tile; each
+// lengths[r] <= lengths[R - 1]), each with its G query heads. Each key is read once for the tile, the values once per row; each
 // (row, head)'s arithmetic is what it would be alone, in the same order: its scores one dot per position, its
 // softmax over its own length, its sum over its positions in order. So a prompt run as R decode rows gets the bits
 // that decoding each of its tokens gets.
@@ -196,23 +196,10 @@ void attend_tile(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_
         row, n, V::zero(), [&](Reg s) { return V::exp(V::sub(s, max_v)); }, add)));
     map_row<V>(row, n, V::zero(), [&](Reg e) { return V::div(e, sum); }, add);
   }
-  if (R == 1) {  // a decode row: its heads' sums in registers (the same bits as the loop below)
-    weigh_values<V>(v_cache, slots, row_stride, scores.data(), length, length, G, D, acc.data());
-  } else {  // a prompt's tile: each value read once for all its rows, their sums in memory
-    first_row = 0;
-    for (int64_t l = 0; l < length; ++l) {
-      if (l + kPrefetch < length) prefetch_row(v_cache + slots[l + kPrefetch] * row_stride, D);
-      while (lengths[first_row] <= l) ++first_row;
-      const T* value = v_cache + slots[l] * row_stride;
-      for (int64_t j = 0; j < vectors; ++j) {
-        const Reg v = V::load(value + j * V::kLanes);
-        for (int64_t head = first_row * G; head < heads; ++head) {
-          float* a = &acc[head * D + j * V::kLanes];
-          V::store(a, V::fmadd(V::set1(scores[head * length + l]), v, V::load(a)));
-        }
-      }
-    }
-  }
+  // Each row's heads' sums in registers over its own positions (weigh_values), as a decode row's: a prompt's tile
+  // reads its values once per row, from cache after the first.
+  for (int64_t r = 0; r < R; ++r)
+    weigh_values<V>(v_cache, slots, row_stride, &scores[r * G * length], length, lengths[r], G, D, &acc[r * G * D]);
   if (round_like_bf16)
     for (int64_t head = 0; head < heads; ++head)
       for (int64_t j = 0; j < D; ++j) acc[head * D + j] /= sums[head];
