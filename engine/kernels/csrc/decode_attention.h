@@ -135,9 +135,9 @@ void weigh_values(const T* v_cache, const int64_t* slots, int64_t row_stride, co
 }
 
 // One tile's KV head: R rows (a sequence at one position each, each row's context a prefix of the last row's:
-// lengths[r] <= lengths[R - 1]), each with its G query heads. Each key is read once for the tile, the values once per row; each
-// (row, head)'s arithmetic is what it would be alone, in the same order: its scores one dot per position, its
-// softmax over its own length, its sum over its positions in order. So a prompt run as R decode rows gets the bits
+// lengths[r] <= lengths[R - 1]), each with its G query heads. Each key is read once for the tile, the values once
+// per row; each (row, head)'s arithmetic is what it would be alone, in the same order: its scores one dot per
+// position, its softmax over its own length, its sum over its positions in order. So a prompt run as R decode rows gets the bits
 // that decoding each of its tokens gets.
 template <class V, typename T>
 void attend_tile(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* slots,
@@ -150,7 +150,7 @@ void attend_tile(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_
   std::vector<float>& acc = scratch.acc;
   query.resize(heads * D);
   scores.resize(heads * length);
-  acc.assign(heads * D, 0.0f);
+  acc.resize(heads * D);  // weigh_values writes every sum
   for (int64_t r = 0; r < R; ++r)
     for (int64_t i = 0; i < G * D; i += V::kLanes) V::store(&query[r * G * D + i], V::load(q + r * q_row_stride + i));
   int64_t first_row = 0;  // the first row whose context reaches position l

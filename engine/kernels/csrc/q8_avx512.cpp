@@ -18,7 +18,8 @@
 namespace tern {
 namespace {
 
-// out[m, rows n0..n0+15] for MB activation rows (m0.., the tile at `tile`) against groups wa (rows n0..n0+7) and wb (n0+8..n0+15).
+// out[m, rows n0..n0+15] for MB activation rows (m0.., the tile at `tile`) against groups wa (rows n0..n0+7) and
+// wb (n0+8..n0+15).
 template <int MB>
 inline void pair_rows(const Q8Problem& p, int64_t m0, const uint8_t* tile, const uint8_t* wa, const uint8_t* wb,
                       int64_t n0) {
@@ -54,7 +55,8 @@ void q8_pairs_avx512(const Q8Problem& p, int64_t m0, int64_t g0, int64_t g1) {
   for (; g0 + 1 < g1; g0 += 2) {
     const uint8_t* wa = p.w + g0 * group_stride;
     for_each_tile(m0, p.M, [&](auto rows, int64_t m) {
-      pair_rows<decltype(rows)::value>(p, m, tiles + Per32Tiles::tile_bytes(*p.x, m - m0), wa, wa + group_stride, g0 * kQ8GroupRows);
+      pair_rows<decltype(rows)::value>(p, m, tiles + Per32Tiles::tile_bytes(*p.x, m - m0), wa, wa + group_stride,
+                                       g0 * kQ8GroupRows);
     });
   }
 }
