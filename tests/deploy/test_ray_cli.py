@@ -46,8 +46,11 @@ def test_the_command_serves_then_drains_on_sigterm_and_exits_0(tiny_checkpoint):
         first_chunk = threading.Event()
 
         def stream() -> None:
+            # Nearly the whole context (4,096 positions), so that the stream outlasts the drain order's way from the
+            # signal to every replica (a report period) even where the tiny model decodes fast: 1,000 tokens ended
+            # before the first 503 on CI once.
             body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about terns."}],
-                    "max_tokens": 1000, "ignore_eos": True, "stream": True}
+                    "max_tokens": 3900, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as response:
                 for line in response.iter_lines():
                     if line.startswith("data: "):
