@@ -109,7 +109,8 @@ def gguf_metadata(gguf_path: Path, cache_dir: Path) -> Path:
             hf_config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
             gguf_config.complete_config(hf_config, tokenizer, gguf_path)
-        hf_config.tie_word_embeddings = not open_gguf(gguf_path, cache_dir).has_output_head
+            # Inside the block: the tensor list comes from the header parsed above, not from a second parse.
+            hf_config.tie_word_embeddings = not open_gguf(gguf_path, cache_dir).has_output_head
         if hasattr(hf_config, "quantization_config"):
             del hf_config.quantization_config  # Tern serves the blocks itself; transformers must not claim them
         hf_config.to_json_file(tmp / "config.json", use_diff=False)  # every field: what read_config relies on
