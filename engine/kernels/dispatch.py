@@ -64,6 +64,7 @@ class CpuKernels:
     q6k_mm: Callable | None = None  # (x [M, K], layouts.pack_q6k weight) -> [M, N]
     bf16_mm: Callable | None = None  # (x [M, K] bf16, layouts.pack_bf16 weight) -> [M, N] bf16
     decode_attention: Callable | None = None  # (q, k_cache, v_cache, context_slots, context_lens, scale)
+    silu_mul: Callable | None = None  # (gate_up [M, 2 * inter]) -> SiLU(gate) * up [M, inter]: the native step's MLP
     # (raw uint8 [rows, bytes per row] of a GGUF matrix, ggml type id, columns, layout: GGUF_REPACK_LAYOUTS[name],
     # out=None) -> that layout's bytes (written into `out` where given), at load time; None: engine/weights/gguf_blocks.py's
     # torch twins do it
@@ -180,7 +181,8 @@ def kernels_for(path: str, cache_dir: Path, reason: str = "") -> CpuKernels:
                       q5k_mm=getattr(ops, f"q5k_mm_{isa}"),
                       q6k_mm=getattr(ops, f"q6k_mm_{path}"),
                       bf16_mm=bf16,
-                      decode_attention=getattr(ops, f"decode_attention_{isa}"), gguf_repack=ops.gguf_repack)
+                      decode_attention=getattr(ops, f"decode_attention_{isa}"),
+                      silu_mul=getattr(ops, f"silu_mul_{isa}"), gguf_repack=ops.gguf_repack)
 
 
 def prebuild(cache_dir: Path) -> None:

@@ -1,64 +1,11 @@
 // decode_attention.h's algorithm on AVX2 + FMA: 8 floats per register.
-#include "avx2.h"
 #include "decode_attention.h"
+#include "float_avx2.h"
 
 namespace tern {
-namespace {
-
-struct Avx2 {
-  using Reg = __m256;
-  using Mask = __m256i;
-  static constexpr int64_t kLanes = 8;
-  static constexpr int64_t kAccumulators = 12;  // registers of sums weigh_values keeps (of 16)
-
-  static Reg zero() { return _mm256_setzero_ps(); }
-  static Reg set1(float v) { return _mm256_set1_ps(v); }
-  static Reg load(const float* p) { return _mm256_loadu_ps(p); }
-  static Reg load(const uint16_t* p) { return avx2::load8(p, 0, true); }
-  static void store(float* p, Reg v) { _mm256_storeu_ps(p, v); }
-  static Mask tail_mask(int64_t n) {  // lanes [0, n) of 8
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  }
-  static Reg load_masked(const float* p, Mask m) { return _mm256_maskload_ps(p, m); }
-  static void store_masked(float* p, Mask m, Reg v) { _mm256_maskstore_ps(p, m, v); }
-  static Reg blend(Mask m, Reg outside, Reg inside) { return _mm256_blendv_ps(outside, inside, _mm256_castsi256_ps(m)); }
-  static Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
-  static Reg sub(Reg a, Reg b) { return _mm256_sub_ps(a, b); }
-  static Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
-  static Reg div(Reg a, Reg b) { return _mm256_div_ps(a, b); }
-  static Reg max(Reg a, Reg b) { return _mm256_max_ps(a, b); }
-  static Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
-  static float reduce_add(Reg v) { return avx2::reduce_add(v); }
-  static float reduce_max(Reg v) { return avx2::reduce_max(v); }
-
-  static Reg round_to_bf16(Reg value) {  // to nearest, ties to even, kept as fp32
-    const __m256i bits = _mm256_castps_si256(value);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
-    return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  }
-
-  // exp(x) to ~1 ulp for x <= 0 (Cephes' expf polynomial). Below -87.3 the result would not be a normal float;
-  // there it is clamped, which changes nothing a softmax can see.
-  static Reg exp(Reg x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    const Reg n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    Reg y = _mm256_set1_ps(1.9875691500e-4f);
-    for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-      y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));  // y * 2^n
-  }
-};
-
-}  // namespace
 
 void decode_attention_avx2(const AttentionProblem& p, int64_t task0, int64_t task1) {
-  attention::attend<Avx2>(p, task0, task1);
+  attention::attend<floats::Avx2>(p, task0, task1);
 }
 
 }  // namespace tern

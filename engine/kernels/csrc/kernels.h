@@ -152,6 +152,10 @@ struct AttentionProblem {
   int64_t num_tiles = 0;
 };
 void decode_attention_avx2(const AttentionProblem& p, int64_t task0, int64_t task1);
+// act[i] = SiLU(gate) * up for i in [i0, i1) of rows x inter, each row of gate_up its inter gates then its inter ups
+// (silu.h).
+void silu_mul_avx2(const float* gate_up, float* act, int64_t inter, int64_t i0, int64_t i1);
+using SiluMul = void (*)(const float* gate_up, float* act, int64_t inter, int64_t i0, int64_t i1);
 
 // A GGUF matrix's raw blocks ([rows, gguf_row_bytes(type, cols)], ggml type ids) into Tern's int4 layout (Q4_0,
 // Q4_1, Q4_K: gguf_has_int4), q4 layout (Q4_0 as it is), q4k layout (Q4_K as it is), q5k layout (Q5_K as it is), q6k layout (Q6_K as it is) or q8 layout (Q8_0 as it is; Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
@@ -177,5 +181,6 @@ void gguf_q5k_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void gguf_q6k_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void gguf_q8_groups(const GgufRepack& p, int64_t g0, int64_t g1);
 void decode_attention_avx512(const AttentionProblem& p, int64_t task0, int64_t task1);
+void silu_mul_avx512(const float* gate_up, float* act, int64_t inter, int64_t i0, int64_t i1);
 
 }  // namespace tern

@@ -104,6 +104,22 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, c
   return out;
 }
 
+// gate_up [M, 2 * inter] (each row its inter gates, then its inter ups) -> SiLU(gate) * up [M, inter]: the decode
+// step's activation (silu.h), as an operator for its tests.
+template <SiluMul Silu>
+at::Tensor silu_mul_op(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.scalar_type() == at::kFloat,
+              "silu_mul: gate_up must be float32 [M, 2 * inter]");
+  const at::Tensor x = gate_up.contiguous();
+  const int64_t inter = x.size(1) / 2;
+  at::Tensor out = at::empty({x.size(0), inter}, x.options());
+  const float* in = x.data_ptr<float>();
+  float* act = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0) * inter, kElementwiseGrain,
+                   [&](int64_t i0, int64_t i1) { Silu(in, act, inter, i0, i1); });
+  return out;
+}
+
 // raw: uint8 [rows, bytes per row], a GGUF matrix's blocks of ggml type `type` -> the bytes of `layout`
 // (GgufLayout: 0 q8, 1 int4, 2 q4, 3 q4k, 4 q6k, 5 q5k). out: where to write (e.g. a fused projection's rows of this part), else a new
 // tensor.
@@ -162,6 +178,7 @@ TORCH_LIBRARY(tern, m) {
   m.def("q8_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
   m.def("decode_attention_avx2(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, Tensor context_lens, "
         "float scale) -> Tensor");
+  m.def("silu_mul_avx2(Tensor gate_up) -> Tensor");
 #ifdef TERN_WITH_AVX512
   m.def("int4_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q4_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
@@ -171,6 +188,7 @@ TORCH_LIBRARY(tern, m) {
   m.def("q8_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("decode_attention_avx512(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, "
         "Tensor context_lens, float scale) -> Tensor");
+  m.def("silu_mul_avx512(Tensor gate_up) -> Tensor");
 #endif
 #ifdef TERN_WITH_AVX512_BF16
   m.def("bf16_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
@@ -198,6 +216,7 @@ TORCH_LIBRARY_IMPL(tern, CPU, m) {
   m.impl("q6k_mm_avx2", &tern::int4_mm<tern::q6k_groups_avx2, tern::kQ6KGroupBytes, tern::kQ6KActivations>);
   m.impl("q8_mm_avx2", &tern::q8_mm<tern::q8_groups_avx2>);
   m.impl("decode_attention_avx2", &tern::decode_attention_op<tern::decode_attention_avx2>);
+  m.impl("silu_mul_avx2", &tern::silu_mul_op<tern::silu_mul_avx2>);
 #ifdef TERN_WITH_AVX512
   m.impl("int4_mm_avx512", &tern::int4_mm<tern::int4_groups_avx512, tern::kInt4GroupBytes>);
   m.impl("q4_mm_avx512", &tern::int4_mm<tern::q4_groups_avx512, tern::kQ4GroupBytes>);
@@ -206,6 +225,7 @@ TORCH_LIBRARY_IMPL(tern, CPU, m) {
   m.impl("q6k_mm_avx512", &tern::int4_mm<tern::q6k_groups_avx512, tern::kQ6KGroupBytes, tern::kQ6KActivations>);
   m.impl("q8_mm_avx512", &tern::q8_mm<tern::q8_groups_avx512>);
   m.impl("decode_attention_avx512", &tern::decode_attention_op<tern::decode_attention_avx512>);
+  m.impl("silu_mul_avx512", &tern::silu_mul_op<tern::silu_mul_avx512>);
 #endif
 #ifdef TERN_WITH_AVX512_BF16
   m.impl("bf16_mm_avx512", &tern::bf16_mm);
