@@ -137,8 +137,8 @@ void weigh_values(const T* v_cache, const int64_t* slots, int64_t row_stride, co
 // One tile's KV head: R rows (a sequence at one position each, each row's context a prefix of the last row's:
 // lengths[r] <= lengths[R - 1]), each with its G query heads. Each key is read once for the tile, the values once
 // per row; each (row, head)'s arithmetic is what it would be alone, in the same order: its scores one dot per
-// position, its softmax over its own length, its sum over its positions in order. So a prompt run as R decode rows gets the bits
-// that decoding each of its tokens gets.
+// position, its softmax over its own length, its sum over its positions in order. So a prompt run as R decode rows
+// gets the bits that decoding each of its tokens gets.
 template <class V, typename T>
 void attend_tile(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* slots,
                  const int64_t* lengths, int64_t R, int64_t row_stride, int64_t G, int64_t D, float scale,

@@ -59,10 +59,10 @@ struct Avx2 {
     // y * 2^n as y * 2^half * 2^(n - half): n reaches 128, whose 2^n has no float, where y * 2^n overflows to +inf
     // as it should. Each factor is a normal float and the first product exact, so below that it is y * 2^n.
     const __m256i whole = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(whole, 1);
-    const __m256i bias = _mm256_set1_epi32(127);
-    const __m256 first = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
-    const __m256 second = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(whole, half), bias), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(y, first), second);
+    const auto power_of_two = [](__m256i e) {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
+    };
+    return _mm256_mul_ps(_mm256_mul_ps(y, power_of_two(half)), power_of_two(_mm256_sub_epi32(whole, half)));
   }
 };
 
