@@ -26,44 +26,85 @@
 namespace tern {
 namespace {
 
-// out[m, rows n0..n0+15] for MB activation rows (m0.., the tile at `tile`) against groups wa (rows n0..n0+7) and
-// wb (n0+8..n0+15); kQ4: the q4 layout (no minimums), else int4.
-template <bool kQ4, int MB>
-inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* tile, const uint8_t* wa, const uint8_t* wb,
-                      int64_t n0) {
+// Rows from which the q4 and int4 loops take two pairs of groups at a time (tile_rows): 0.92-0.95x the time at 64
+// and 256 rows, the same at 32, 1.02-1.09x at 16 (a 1B model's q4 layers alone, 2-core Zen 5 VM).
+constexpr int64_t kQuadMinRows = 64;
+
+// out[m, rows n0..n0 + 16 * NP - 1] for rows R0..R0 + R - 1 of a tile of MB activation rows (first row m0, at
+// `tile`) against NP pairs of groups from wa (rows n0..n0+7; each next group one group_stride on); kQ4: the q4
+// layout (no minimums), else int4. kPrefetch: this pass is the first over these weights; the later passes find
+// them in cache, and their prefetches only took issue slots (the same time at 16 and 256 rows without them).
+template <bool kQ4, int MB, int R0, int R, int NP, bool kPrefetch>
+inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* tile, const uint8_t* wa, int64_t n0) {
   constexpr int64_t kBytes = kQ4 ? kQ4GroupBytes : kInt4GroupBytes;
   const QuantizedRows& q = *p.x;
   const int64_t group_stride = q.blocks * kBytes;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  __m512 acc[R][NP];
+  for (int m = 0; m < R; ++m)
+    for (int pr = 0; pr < NP; ++pr) acc[m][pr] = _mm512_setzero_ps();
   for (int64_t c = 0; c < q.blocks; ++c) {
-    const uint8_t* ca = wa + c * kBytes;
-    const uint8_t* cb = wb + c * kBytes;
-    prefetch_pair_stream<kBytes>(ca, wa + group_stride, group_stride);
-    prefetch_pair_stream<kBytes>(cb, wb + group_stride, group_stride);
-    const Per32Tiles::Unit<MB> x(tile, c);
-    __m512i dot[MB];
-    for (int m = 0; m < MB; ++m) dot[m] = kQ4 ? _mm512_set1_epi32(*x.template extras<int32_t>(m)) : _mm512_setzero_si512();
-    for (int j = 0; j < 4; ++j) {
-      const __m512i packed = avx512::two_groups(ca + 32 * j, cb + 32 * j);
-      const __m512i lo = _mm512_and_si512(packed, low);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-      for (int m = 0; m < MB; ++m) {
-        dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(x.x(m)[2 * j]));
-        dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(x.x(m)[2 * j + 1]));
+    const uint8_t* ca[NP];
+    const uint8_t* cb[NP];
+    for (int pr = 0; pr < NP; ++pr) {
+      ca[pr] = wa + 2 * pr * group_stride + c * kBytes;
+      cb[pr] = ca[pr] + group_stride;
+      if constexpr (kPrefetch) {
+        // Each stream's next bytes after its group lie 2 * NP - 1 groups on (the next pass over NP pairs).
+        const uint8_t* a_end = wa + (2 * pr + 1) * group_stride;
+        prefetch_pair_stream<kBytes>(ca[pr], a_end, (2 * NP - 1) * group_stride);
+        prefetch_pair_stream<kBytes>(cb[pr], a_end + group_stride, (2 * NP - 1) * group_stride);
       }
     }
-    const __m512 d = avx512::two_fp16_rows(ca + 128, cb + 128);
-    for (int m = 0; m < MB; ++m)
-      acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(d, _mm512_set1_ps(x.scales()[m]))));
-    if constexpr (!kQ4) {
-      const __m512 minimum = avx512::two_fp16_rows(ca + 144, cb + 144);
-      for (int m = 0; m < MB; ++m)
-        acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(minimum, _mm512_set1_ps(x.template extras<float>(m)[1])));
+    const Per32Tiles::Unit<MB> x(tile, c);
+    __m512i dot[R][NP];
+    for (int m = 0; m < R; ++m)
+      for (int pr = 0; pr < NP; ++pr)
+        dot[m][pr] = kQ4 ? _mm512_set1_epi32(*x.template extras<int32_t>(R0 + m)) : _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      __m512i lo[NP], hi[NP];
+      for (int pr = 0; pr < NP; ++pr) {
+        const __m512i packed = avx512::two_groups(ca[pr] + 32 * j, cb[pr] + 32 * j);
+        lo[pr] = _mm512_and_si512(packed, low);
+        hi[pr] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+      }
+      for (int m = 0; m < R; ++m) {
+        const __m512i x_lo = _mm512_set1_epi32(x.x(R0 + m)[2 * j]);
+        const __m512i x_hi = _mm512_set1_epi32(x.x(R0 + m)[2 * j + 1]);
+        for (int pr = 0; pr < NP; ++pr) {
+          dot[m][pr] = _mm512_dpbusd_epi32(dot[m][pr], lo[pr], x_lo);
+          dot[m][pr] = _mm512_dpbusd_epi32(dot[m][pr], hi[pr], x_hi);
+        }
+      }
+    }
+    for (int pr = 0; pr < NP; ++pr) {
+      const __m512 d = avx512::two_fp16_rows(ca[pr] + 128, cb[pr] + 128);
+      for (int m = 0; m < R; ++m)
+        acc[m][pr] = _mm512_add_ps(acc[m][pr], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m][pr]),
+                                                             _mm512_mul_ps(d, _mm512_set1_ps(x.scales()[R0 + m]))));
+      if constexpr (!kQ4) {
+        const __m512 minimum = avx512::two_fp16_rows(ca[pr] + 144, cb[pr] + 144);
+        for (int m = 0; m < R; ++m)
+          acc[m][pr] = _mm512_add_ps(acc[m][pr], _mm512_mul_ps(minimum, _mm512_set1_ps(x.template extras<float>(R0 + m)[1])));
+      }
     }
   }
-  for (int m = 0; m < MB; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, acc[m], p.out_bf16);
+  for (int m = 0; m < R; ++m)
+    for (int pr = 0; pr < NP; ++pr) avx512::store16(p.out, (m0 + R0 + m) * p.N + n0 + 16 * pr, acc[m][pr], p.out_bf16);
+}
+
+// Rows m0.. of one tile of MB rows against NP pairs of groups from wa; two pairs take the tile in halves of 4 rows
+// (4 rows x 2 pairs of dots and sums in registers), each activation broadcast feeding two weight registers.
+// Why the gain is small: vpdpbusd and vmulps share the two multiply pipes (Zen 5: either alone 2 a cycle, 1 each
+// a cycle together), and each row and pair takes 8 vpdpbusd and 2 vmulps a block whatever the tiling: at best 80%
+// of vpdpbusd's peak, where one pair at a time reaches ~60%.
+template <bool kQ4, int MB, int NP>
+inline void tile_rows(const Int4Problem& p, int64_t m0, const uint8_t* tile, const uint8_t* wa, int64_t n0,
+                      bool first_tile) {
+  constexpr int kHalf = NP == 1 ? MB : std::min(MB, 4);
+  if (first_tile) pair_rows<kQ4, MB, 0, kHalf, NP, true>(p, m0, tile, wa, n0);
+  else pair_rows<kQ4, MB, 0, kHalf, NP, false>(p, m0, tile, wa, n0);
+  if constexpr (kHalf < MB) pair_rows<kQ4, MB, kHalf, MB - kHalf, NP, false>(p, m0, tile, wa, n0);
 }
 
 // Pairs of groups [g0, g1) (an even count) for activation rows m0.. (kQ4: the q4 layout, else int4).
@@ -72,12 +113,17 @@ void pairs(const Int4Problem& p, int64_t m0, int64_t g0, int64_t g1) {
   if (g0 + 1 >= g1) return;
   const int64_t group_stride = p.x->blocks * (kQ4 ? kQ4GroupBytes : kInt4GroupBytes);  // 8 rows, all of K
   const uint8_t* tiles = per32_tiles(*p.x, m0, p.M, kQ4 ? -8 : 0);
-  for (; g0 + 1 < g1; g0 += 2) {
+  const bool quads = p.M - m0 >= kQuadMinRows;
+  for (; g0 + 1 < g1;) {
     const uint8_t* wa = p.w + g0 * group_stride;
+    const int np = quads && g0 + 3 < g1 ? 2 : 1;
     for_each_tile(m0, p.M, [&](auto rows, int64_t m) {
-      pair_rows<kQ4, decltype(rows)::value>(p, m, tiles + Per32Tiles::tile_bytes(*p.x, m - m0), wa, wa + group_stride,
-                           g0 * kInt4GroupRows);
+      constexpr int MB = decltype(rows)::value;
+      const uint8_t* tile = tiles + Per32Tiles::tile_bytes(*p.x, m - m0);
+      if (np == 2) tile_rows<kQ4, MB, 2>(p, m, tile, wa, g0 * kInt4GroupRows, m == m0);
+      else tile_rows<kQ4, MB, 1>(p, m, tile, wa, g0 * kInt4GroupRows, m == m0);
     });
+    g0 += 2 * np;
   }
 }
 
