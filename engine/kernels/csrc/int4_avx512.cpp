@@ -26,8 +26,8 @@
 namespace tern {
 namespace {
 
-// Rows from which the q4 and int4 loops take two pairs of groups at a time (tile_rows): 0.92-0.95x the time at 64
-// and 256 rows, the same at 32, 1.02-1.09x at 16 (a 1B model's q4 layers alone, 2-core Zen 5 VM).
+// Rows from which the q4, int4 and q4k loops take two pairs of groups at a time (tile_rows): q4's alone 0.92-0.95x
+// the time at 64 and 256 rows, the same at 32, 1.02-1.09x at 16 (a 1B model's q4 layers, 2-core Zen 5 VM).
 constexpr int64_t kQuadMinRows = 64;
 
 // out[m, rows n0..n0 + 16 * NP - 1] for rows R0..R0 + R - 1 of a tile of MB activation rows (first row m0, at
@@ -135,59 +135,89 @@ void groups(const Int4Problem& p, int64_t g0, int64_t g1) {
   if (paired_end < g1) kQ4 ? q4_groups_avx2(p, paired_end, g1) : int4_groups_avx2(p, paired_end, g1);
 }
 
-// q4k (kernels.h: llama.cpp's Q4_K x Q8_K): out[m, rows n0..n0+15] for MB activation rows (m0.., the tile at `tile`)
-// against groups wa and wb.
+// q4k (kernels.h: llama.cpp's Q4_K x Q8_K): out[m, rows n0..n0 + 16 * NP - 1] for rows R0..R0 + R - 1 of a tile
+// of MB activation rows (first row m0, at `tile`) against NP pairs of groups from wa (as pair_rows).
 // Per super-block two passes: the dots, each row's isum += s_j * dot_j in integers and one float step; then the
 // minimums, msum = sum_j m_j * sums32_j as vpmaddwd over int16 pairs, and the second float step. The results wait
-// in memory during the dots, which leaves registers for 8 rows a tile.
-template <int MB>
-inline void q4k_pair_rows(const Q4KProblem& p, const uint8_t* tile, const uint8_t* wa, const uint8_t* wb,
-                          int64_t m0, int64_t n0) {
+// in memory during the dots, which leaves registers for 8 (row, pair) dots and sums.
+template <int MB, int R0, int R, int NP, bool kPrefetch>
+inline void q4k_rows(const Q4KProblem& p, const uint8_t* tile, const uint8_t* wa, int64_t m0, int64_t n0) {
   const QuantizedRows& q = *p.x;  // blocks of 256: q.blocks super-blocks
   const int64_t group_stride = q.blocks * kQ4KSuperBytes;
   const __m512i low = _mm512_set1_epi8(0x0F), fifteen = _mm512_set1_epi32(15), three = _mm512_set1_epi32(3);
-  alignas(64) float result[MB][16] = {};
+  alignas(64) float result[NP][R][16] = {};
   for (int64_t s = 0; s < q.blocks; ++s) {
-    const uint8_t* sa = wa + s * kQ4KSuperBytes;
-    const uint8_t* sb = wb + s * kQ4KSuperBytes;
     const SuperBlockTiles::Unit<MB> x(tile, s);
-    const __m512i top_bits = avx512::two_groups(sa + 32, sb + 32);  // a row's top bits: s_j at 2j, m_j at 16 + 2j
-    const __m512 d = avx512::two_fp16_rows(sa, sb);
-    __m512i top = top_bits;
-    __m512i isum[MB];
-    for (int m = 0; m < MB; ++m) isum[m] = _mm512_setzero_si512();
+    const uint8_t* sa[NP];
+    const uint8_t* sb[NP];
+    __m512i top[NP], isum[R][NP];
+    for (int pr = 0; pr < NP; ++pr) {
+      sa[pr] = wa + 2 * pr * group_stride + s * kQ4KSuperBytes;
+      sb[pr] = sa[pr] + group_stride;
+      top[pr] = avx512::two_groups(sa[pr] + 32, sb[pr] + 32);  // a row's top bits: s_j at 2j, m_j at 16 + 2j
+    }
+    for (int m = 0; m < R; ++m)
+      for (int pr = 0; pr < NP; ++pr) isum[m][pr] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
-      prefetch_pair_stream<kQ4GroupBytes>(sa + j * kQ4GroupBytes, wa + group_stride, group_stride);  // 8 steps a super-block
-      prefetch_pair_stream<kQ4GroupBytes>(sb + j * kQ4GroupBytes, wb + group_stride, group_stride);
-      const __m512i lows = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sa + 64 + 8 * j)),
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 64 + 8 * j))));
-      const __m512i scale = _mm512_or_si512(_mm512_and_si512(lows, fifteen),
-                                            _mm512_slli_epi32(_mm512_and_si512(top, three), 4));
-      top = _mm512_srli_epi32(top, 2);
-      const uint8_t* ca = sa + 128 + 128 * j;
-      const uint8_t* cb = sb + 128 + 128 * j;
-      __m512i dot[MB];
-      for (int m = 0; m < MB; ++m) dot[m] = _mm512_setzero_si512();
+      __m512i scale[NP];
+      for (int pr = 0; pr < NP; ++pr) {
+        if constexpr (kPrefetch) {  // 8 steps a super-block; each stream's next group lies 2 * NP - 1 groups on
+          const uint8_t* a_end = wa + (2 * pr + 1) * group_stride;
+          prefetch_pair_stream<kQ4GroupBytes>(sa[pr] + j * kQ4GroupBytes, a_end, (2 * NP - 1) * group_stride);
+          prefetch_pair_stream<kQ4GroupBytes>(sb[pr] + j * kQ4GroupBytes, a_end + group_stride,
+                                              (2 * NP - 1) * group_stride);
+        }
+        const __m512i lows = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sa[pr] + 64 + 8 * j)),
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb[pr] + 64 + 8 * j))));
+        scale[pr] = _mm512_or_si512(_mm512_and_si512(lows, fifteen), _mm512_slli_epi32(_mm512_and_si512(top[pr], three), 4));
+        top[pr] = _mm512_srli_epi32(top[pr], 2);
+      }
+      __m512i dot[R][NP];
+      for (int m = 0; m < R; ++m)
+        for (int pr = 0; pr < NP; ++pr) dot[m][pr] = _mm512_setzero_si512();
       for (int r = 0; r < 4; ++r) {
-        const __m512i packed = avx512::two_groups(ca + 32 * r, cb + 32 * r);
-        const __m512i lo = _mm512_and_si512(packed, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-        for (int m = 0; m < MB; ++m) {
-          dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(x.x(m)[8 * j + 2 * r]));
-          dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(x.x(m)[8 * j + 2 * r + 1]));
+        __m512i lo[NP], hi[NP];
+        for (int pr = 0; pr < NP; ++pr) {
+          const __m512i packed = avx512::two_groups(sa[pr] + 128 + 128 * j + 32 * r, sb[pr] + 128 + 128 * j + 32 * r);
+          lo[pr] = _mm512_and_si512(packed, low);
+          hi[pr] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        }
+        for (int m = 0; m < R; ++m) {
+          const __m512i x_lo = _mm512_set1_epi32(x.x(R0 + m)[8 * j + 2 * r]);
+          const __m512i x_hi = _mm512_set1_epi32(x.x(R0 + m)[8 * j + 2 * r + 1]);
+          for (int pr = 0; pr < NP; ++pr) {
+            dot[m][pr] = _mm512_dpbusd_epi32(dot[m][pr], lo[pr], x_lo);
+            dot[m][pr] = _mm512_dpbusd_epi32(dot[m][pr], hi[pr], x_hi);
+          }
         }
       }
-      for (int m = 0; m < MB; ++m) isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(dot[m], scale));
+      for (int m = 0; m < R; ++m)
+        for (int pr = 0; pr < NP; ++pr) isum[m][pr] = _mm512_add_epi32(isum[m][pr], _mm512_mullo_epi32(dot[m][pr], scale[pr]));
     }
-    for (int m = 0; m < MB; ++m) {
-      const __m512 x_scale = _mm512_set1_ps(x.scales()[m]);
-      _mm512_store_ps(result[m], _mm512_add_ps(_mm512_load_ps(result[m]),
-                                               _mm512_mul_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, x_scale))));
+    for (int pr = 0; pr < NP; ++pr) {
+      const __m512 d = avx512::two_fp16_rows(sa[pr], sb[pr]);
+      for (int m = 0; m < R; ++m) {
+        const __m512 x_scale = _mm512_set1_ps(x.scales()[R0 + m]);
+        _mm512_store_ps(result[pr][m], _mm512_add_ps(_mm512_load_ps(result[pr][m]),
+                                                     _mm512_mul_ps(_mm512_cvtepi32_ps(isum[m][pr]), _mm512_mul_ps(d, x_scale))));
+      }
+      add_pair_minimums<MB, R0, R>(x, sa[pr], sb[pr], avx512::two_groups(sa[pr] + 32, sb[pr] + 32), result[pr]);
     }
-    add_pair_minimums<MB>(x, sa, sb, top_bits, result);
   }
-  for (int m = 0; m < MB; ++m) avx512::store16(p.out, (m0 + m) * p.N + n0, _mm512_load_ps(result[m]), p.out_bf16);
+  for (int m = 0; m < R; ++m)
+    for (int pr = 0; pr < NP; ++pr)
+      avx512::store16(p.out, (m0 + R0 + m) * p.N + n0 + 16 * pr, _mm512_load_ps(result[pr][m]), p.out_bf16);
+}
+
+// As tile_rows, for q4k.
+template <int MB, int NP>
+inline void q4k_tile_rows(const Q4KProblem& p, const uint8_t* tile, const uint8_t* wa, int64_t m0, int64_t n0,
+                          bool first_tile) {
+  constexpr int kHalf = NP == 1 ? MB : std::min(MB, 4);
+  if (first_tile) q4k_rows<MB, 0, kHalf, NP, true>(p, tile, wa, m0, n0);
+  else q4k_rows<MB, 0, kHalf, NP, false>(p, tile, wa, m0, n0);
+  if constexpr (kHalf < MB) q4k_rows<MB, kHalf, MB - kHalf, NP, false>(p, tile, wa, m0, n0);
 }
 
 }  // namespace
@@ -196,12 +226,17 @@ void q4k_pairs_avx512(const Q4KProblem& p, int64_t m0, int64_t g0, int64_t g1) {
   if (g0 + 1 >= g1) return;
   const int64_t group_stride = p.x->blocks * kQ4KSuperBytes;  // 8 rows, all of K
   const uint8_t* tiles = super_block_tiles(*p.x, m0, p.M);
-  for (; g0 + 1 < g1; g0 += 2) {
+  const bool quads = p.M - m0 >= kQuadMinRows;
+  for (; g0 + 1 < g1;) {
     const uint8_t* wa = p.w + g0 * group_stride;
+    const int np = quads && g0 + 3 < g1 ? 2 : 1;
     for_each_tile(m0, p.M, [&](auto rows, int64_t m) {
-      q4k_pair_rows<decltype(rows)::value>(p, tiles + SuperBlockTiles::tile_bytes(*p.x, m - m0), wa, wa + group_stride, m,
-                          g0 * kInt4GroupRows);
+      constexpr int MB = decltype(rows)::value;
+      const uint8_t* tile = tiles + SuperBlockTiles::tile_bytes(*p.x, m - m0);
+      if (np == 2) q4k_tile_rows<MB, 2>(p, tile, wa, m, g0 * kInt4GroupRows, m == m0);
+      else q4k_tile_rows<MB, 1>(p, tile, wa, m, g0 * kInt4GroupRows, m == m0);
     });
+    g0 += 2 * np;
   }
 }
 

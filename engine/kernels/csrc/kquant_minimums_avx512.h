@@ -25,8 +25,8 @@ inline const uint8_t* super_block_tiles(const QuantizedRows& q, int64_t m0, int6
 }
 
 // x: super-block s of the activations' tile; sa, sb: the two groups' super-block s; top_bits: their top bits
-// (avx512::two_groups(sa + 32, sb + 32)).
-template <int MB>
+// (avx512::two_groups(sa + 32, sb + 32)); result[m]: row R0 + m's of the tile (rows R0..R0 + R - 1).
+template <int MB, int R0 = 0, int R = MB>
 inline void add_pair_minimums(const SuperBlockTiles::Unit<MB>& x, const uint8_t* sa, const uint8_t* sb,
                               __m512i top_bits, float (*result)[16]) {
   const __m512i three = _mm512_set1_epi32(3);
@@ -46,11 +46,11 @@ inline void add_pair_minimums(const SuperBlockTiles::Unit<MB>& x, const uint8_t*
   }
   const __m512 negative_dmin = _mm512_castsi512_ps(_mm512_xor_si512(
       _mm512_castps_si512(avx512::two_fp16_rows(sa + 16, sb + 16)), _mm512_set1_epi32(static_cast<int>(0x80000000u))));
-  for (int m = 0; m < MB; ++m) {
-    const int32_t* sums = x.template extras<int32_t>(m);  // int16 pairs
+  for (int m = 0; m < R; ++m) {
+    const int32_t* sums = x.template extras<int32_t>(R0 + m);  // int16 pairs
     __m512i msum = _mm512_madd_epi16(pairs[0], _mm512_set1_epi32(sums[0]));
     for (int k = 1; k < 4; ++k) msum = _mm512_add_epi32(msum, _mm512_madd_epi16(pairs[k], _mm512_set1_epi32(sums[k])));
-    const __m512 x_scale = _mm512_set1_ps(x.scales()[m]);
+    const __m512 x_scale = _mm512_set1_ps(x.scales()[R0 + m]);
     _mm512_store_ps(result[m], _mm512_add_ps(_mm512_load_ps(result[m]),
         _mm512_mul_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(negative_dmin, x_scale))));
   }
