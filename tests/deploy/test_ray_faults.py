@@ -208,3 +208,11 @@ def test_a_killed_replica_fails_its_requests_cleanly_the_other_serves_and_ray_re
         time.sleep(1)
     assert num_running() == 2 and metric_sum(base_url, "tern_model_loaded") == (2, 2), reporting()
     assert victim not in reporting()
+    seen = set()
+    deadline = time.monotonic() + 60
+    while len(seen) < 2 and time.monotonic() < deadline:  # short prompts, no prefix to follow: the replicas share them
+        response = httpx.post(f"{base_url}/v1/completions", headers=headers, timeout=TIMEOUT_S,
+                              json={"model": "tern-tiny", "prompt": "A tern", "max_tokens": 1})
+        assert response.status_code == 200
+        seen.add(response.headers["x-tern-replica"])
+    assert len(seen) == 2 and victim not in seen

@@ -26,7 +26,7 @@
 namespace tern {
 namespace {
 
-// Rows from which the q4, int4 and q4k loops take two pairs of groups at a time (tile_rows): q4's alone 0.92-0.95x
+// Rows from which the q4, int4 and q4k loops take two pairs of groups at a time (walk_pairs): q4's alone 0.92-0.95x
 // the time at 64 and 256 rows, the same at 32, 1.02-1.09x at 16 (a 1B model's q4 layers, 2-core Zen 5 VM).
 constexpr int64_t kQuadMinRows = 64;
 
@@ -93,18 +93,43 @@ inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* tile, con
     for (int pr = 0; pr < NP; ++pr) avx512::store16(p.out, (m0 + R0 + m) * p.N + n0 + 16 * pr, acc[m][pr], p.out_bf16);
 }
 
-// Rows m0.. of one tile of MB rows against NP pairs of groups from wa; two pairs take the tile in halves of 4 rows
-// (4 rows x 2 pairs of dots and sums in registers), each activation broadcast feeding two weight registers.
-// Why the gain is small: vpdpbusd and vmulps share the two multiply pipes (Zen 5: either alone 2 a cycle, 1 each
-// a cycle together), and each row and pair takes 8 vpdpbusd and 2 vmulps a block whatever the tiling: at best 80%
-// of vpdpbusd's peak, where one pair at a time reaches ~60%.
-template <bool kQ4, int MB, int NP>
-inline void tile_rows(const Int4Problem& p, int64_t m0, const uint8_t* tile, const uint8_t* wa, int64_t n0,
-                      bool first_tile) {
+// One pass of a pair loop: rows R0..R0 + R - 1 of a tile of MB activation rows against NP pairs of groups;
+// kPrefetch on the first pass over those weights.
+template <int kMB, int kR0, int kR, int kNP, bool kFirst>
+struct Pass {
+  static constexpr int MB = kMB, R0 = kR0, R = kR, NP = kNP;
+  static constexpr bool kPrefetch = kFirst;
+};
+
+template <int MB, int NP, typename Run>
+inline void in_halves(Run& run, const uint8_t* tile, int64_t m, int64_t g, bool first_tile) {
   constexpr int kHalf = NP == 1 ? MB : std::min(MB, 4);
-  if (first_tile) pair_rows<kQ4, MB, 0, kHalf, NP, true>(p, m0, tile, wa, n0);
-  else pair_rows<kQ4, MB, 0, kHalf, NP, false>(p, m0, tile, wa, n0);
-  if constexpr (kHalf < MB) pair_rows<kQ4, MB, kHalf, MB - kHalf, NP, false>(p, m0, tile, wa, n0);
+  if (first_tile) run(Pass<MB, 0, kHalf, NP, true>{}, tile, m, g);
+  else run(Pass<MB, 0, kHalf, NP, false>{}, tile, m, g);
+  if constexpr (kHalf < MB) run(Pass<MB, kHalf, MB - kHalf, NP, false>{}, tile, m, g);
+}
+
+// The walk of the q4, int4 and q4k pair loops over groups [g0, g1) (an even count) and activation rows m0..M
+// (their tiles at `tiles`, laid out as Tiles): run(Pass, tile, first row, first group) for each pass. From
+// kQuadMinRows rows two pairs at a time, each tile in halves of 4 rows (4 rows x 2 pairs of dots and sums in
+// registers), each activation broadcast feeding two weight registers. Why the gain is small: vpdpbusd and vmulps
+// share the two multiply pipes (Zen 5: either alone 2 a cycle, 1 each a cycle together), and each row and pair
+// takes 8 vpdpbusd and 2 vmulps a block whatever the tiling: at best 80% of vpdpbusd's peak, where one pair at a
+// time reaches ~60%.
+template <typename Tiles, typename Run>
+inline void walk_pairs(const QuantizedRows& q, int64_t m0, int64_t M, int64_t g0, int64_t g1, const uint8_t* tiles,
+                       Run run) {
+  const bool quads = M - m0 >= kQuadMinRows;
+  while (g0 + 1 < g1) {
+    const int np = quads && g0 + 3 < g1 ? 2 : 1;
+    for_each_tile(m0, M, [&](auto rows, int64_t m) {
+      constexpr int MB = decltype(rows)::value;
+      const uint8_t* tile = tiles + Tiles::tile_bytes(q, m - m0);
+      if (np == 2) in_halves<MB, 2>(run, tile, m, g0, m == m0);
+      else in_halves<MB, 1>(run, tile, m, g0, m == m0);
+    });
+    g0 += 2 * np;
+  }
 }
 
 // Pairs of groups [g0, g1) (an even count) for activation rows m0.. (kQ4: the q4 layout, else int4).
@@ -113,18 +138,10 @@ void pairs(const Int4Problem& p, int64_t m0, int64_t g0, int64_t g1) {
   if (g0 + 1 >= g1) return;
   const int64_t group_stride = p.x->blocks * (kQ4 ? kQ4GroupBytes : kInt4GroupBytes);  // 8 rows, all of K
   const uint8_t* tiles = per32_tiles(*p.x, m0, p.M, kQ4 ? -8 : 0);
-  const bool quads = p.M - m0 >= kQuadMinRows;
-  for (; g0 + 1 < g1;) {
-    const uint8_t* wa = p.w + g0 * group_stride;
-    const int np = quads && g0 + 3 < g1 ? 2 : 1;
-    for_each_tile(m0, p.M, [&](auto rows, int64_t m) {
-      constexpr int MB = decltype(rows)::value;
-      const uint8_t* tile = tiles + Per32Tiles::tile_bytes(*p.x, m - m0);
-      if (np == 2) tile_rows<kQ4, MB, 2>(p, m, tile, wa, g0 * kInt4GroupRows, m == m0);
-      else tile_rows<kQ4, MB, 1>(p, m, tile, wa, g0 * kInt4GroupRows, m == m0);
-    });
-    g0 += 2 * np;
-  }
+  walk_pairs<Per32Tiles>(*p.x, m0, p.M, g0, g1, tiles, [&](auto pass, const uint8_t* tile, int64_t m, int64_t g) {
+    using P = decltype(pass);
+    pair_rows<kQ4, P::MB, P::R0, P::R, P::NP, P::kPrefetch>(p, m, tile, p.w + g * group_stride, g * kInt4GroupRows);
+  });
 }
 
 template <bool kQ4>
@@ -210,34 +227,16 @@ inline void q4k_rows(const Q4KProblem& p, const uint8_t* tile, const uint8_t* wa
       avx512::store16(p.out, (m0 + R0 + m) * p.N + n0 + 16 * pr, _mm512_load_ps(result[pr][m]), p.out_bf16);
 }
 
-// As tile_rows, for q4k.
-template <int MB, int NP>
-inline void q4k_tile_rows(const Q4KProblem& p, const uint8_t* tile, const uint8_t* wa, int64_t m0, int64_t n0,
-                          bool first_tile) {
-  constexpr int kHalf = NP == 1 ? MB : std::min(MB, 4);
-  if (first_tile) q4k_rows<MB, 0, kHalf, NP, true>(p, tile, wa, m0, n0);
-  else q4k_rows<MB, 0, kHalf, NP, false>(p, tile, wa, m0, n0);
-  if constexpr (kHalf < MB) q4k_rows<MB, kHalf, MB - kHalf, NP, false>(p, tile, wa, m0, n0);
-}
-
 }  // namespace
 
 void q4k_pairs_avx512(const Q4KProblem& p, int64_t m0, int64_t g0, int64_t g1) {
   if (g0 + 1 >= g1) return;
   const int64_t group_stride = p.x->blocks * kQ4KSuperBytes;  // 8 rows, all of K
   const uint8_t* tiles = super_block_tiles(*p.x, m0, p.M);
-  const bool quads = p.M - m0 >= kQuadMinRows;
-  for (; g0 + 1 < g1;) {
-    const uint8_t* wa = p.w + g0 * group_stride;
-    const int np = quads && g0 + 3 < g1 ? 2 : 1;
-    for_each_tile(m0, p.M, [&](auto rows, int64_t m) {
-      constexpr int MB = decltype(rows)::value;
-      const uint8_t* tile = tiles + SuperBlockTiles::tile_bytes(*p.x, m - m0);
-      if (np == 2) q4k_tile_rows<MB, 2>(p, tile, wa, m, g0 * kInt4GroupRows, m == m0);
-      else q4k_tile_rows<MB, 1>(p, tile, wa, m, g0 * kInt4GroupRows, m == m0);
-    });
-    g0 += 2 * np;
-  }
+  walk_pairs<SuperBlockTiles>(*p.x, m0, p.M, g0, g1, tiles, [&](auto pass, const uint8_t* tile, int64_t m, int64_t g) {
+    using P = decltype(pass);
+    q4k_rows<P::MB, P::R0, P::R, P::NP, P::kPrefetch>(p, tile, p.w + g * group_stride, m, g * kInt4GroupRows);
+  });
 }
 
 void q4k_groups_avx512(const Q4KProblem& p, int64_t g0, int64_t g1) {

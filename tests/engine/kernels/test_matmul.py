@@ -13,8 +13,8 @@ from engine.kernels import layouts
 import reference
 from conftest import require_op as require
 
-# Tiles of 8 rows (AVX512) or 4 (AVX2), with every remainder; from 64 rows the AVX512 q4 and int4 loops take two
-# pairs of groups at a time, a tile in halves of 4 rows (71: a last tile of 7, halves of 4 and 3).
+# Tiles of 8 rows (AVX512) or 4 (AVX2), with every remainder; from 64 rows the AVX512 q4, int4 and q4k loops take
+# two pairs of groups at a time, a tile in halves of 4 rows (71: a last tile of 7, halves of 4 and 3).
 ROWS = [1, 2, 3, 5, 6, 15, 17, 40, 71, 300]
 
 
