@@ -101,6 +101,7 @@ def gguf_metadata(gguf_path: Path, cache_dir: Path) -> Path:
     folder = _cache_folder(gguf_path, cache_dir, GGUF_METADATA_KIND, GGUF_METADATA_VERSION)
     if (folder / "config.json").exists():
         return folder
+    import transformers.modeling_gguf_pytorch_utils  # noqa: F401 (imported here, reading_headers_once parses once)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     logger.info("reading %s's config and tokenizer once into %s", gguf_path.name, folder)

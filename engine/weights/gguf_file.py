@@ -9,9 +9,11 @@ at most one tensor's bytes are in flight beside the weights already converted.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import NamedTuple
@@ -277,8 +279,9 @@ def header_reader(path, *args, **kwargs) -> HeaderReader:
 def reading_headers_once():
     """Within this block each GGUF's header is parsed once, by whoever asks first: Tern (_read_header), gguf_config,
     and transformers, which parses a file once for its config and again for its tokenizer (its 49,152-entry
-    vocabulary one view at a time) and builds gguf's tensor-name map once per module (397 times for SmolLM2): seconds
-    of a new file's first start on 2 cores. Re-entrant; the parsed headers are dropped at the end."""
+    vocabulary one view at a time), decodes its metadata as often (_metadata_parsed_once, where the caller imported
+    transformers' GGUF module) and builds gguf's tensor-name map once per module (397 times for SmolLM2): seconds of
+    a new file's first start on 2 cores. Re-entrant; the parsed headers are dropped at the end."""
     global _headers_read
     with _reading_once:
         if _headers_read is not None:  # nested in this thread's own block
@@ -287,11 +290,40 @@ def reading_headers_once():
         reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
         _headers_read = {}
         gguf.GGUFReader, gguf.get_tensor_name_map = header_reader, functools.lru_cache(maxsize=None)(name_map)
+        gguf_utils = _transformers_gguf_utils()
+        parse_metadata = gguf_utils.load_gguf_checkpoint if gguf_utils else None
+        if gguf_utils:
+            gguf_utils.load_gguf_checkpoint = _metadata_parsed_once(parse_metadata)
         try:
             yield
         finally:
             gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+            if gguf_utils:
+                gguf_utils.load_gguf_checkpoint = parse_metadata
             _headers_read = None
+
+
+def _transformers_gguf_utils():
+    """transformers' GGUF module where it is already imported (whoever reads a file through transformers imported
+    it; nothing here imports transformers for it)."""
+    return sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+
+
+def _metadata_parsed_once(parse_metadata):
+    """transformers' load_gguf_checkpoint, its metadata-only calls (return_tensors=False) remembered per file: a
+    first start asks once for the config and once more for the tokenizer, and each decodes every field, the whole
+    vocabulary included (0.18 s for 128K tokens). Each caller gets its own copy, as from a parse of its own."""
+    parsed: dict[str, dict] = {}
+
+    def load_gguf_checkpoint(path, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or kwargs:
+            return parse_metadata(path, return_tensors, *args, **kwargs)
+        key = str(Path(path).resolve())
+        if key not in parsed:
+            parsed[key] = parse_metadata(path, return_tensors=False)
+        return copy.deepcopy(parsed[key])
+
+    return load_gguf_checkpoint
 
 
 def _read_header(path: Path) -> tuple[str | None, list[TensorInfo]]:

@@ -525,3 +525,26 @@ def test_a_first_start_parses_a_gguf_header_once_and_puts_ggufs_reader_back(tmp_
     with pytest.raises(ValueError), reading_headers_once():
         gguf.GGUFReader(not_a_gguf)
     assert gguf.GGUFReader is GGUFReader
+
+
+def test_a_first_start_decodes_a_ggufs_metadata_once_for_transformers_config_and_tokenizer(tmp_path, monkeypatch):
+    """transformers asks load_gguf_checkpoint for a file's metadata once for the config and again for the
+    tokenizer: within reading_headers_once the second call gets the first's result, as its own copy (a caller that
+    changes it changes nothing for the next), and after the block transformers' own function is back."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    from engine.weights.gguf_file import reading_headers_once
+
+    path = write_tiny_gguf(tmp_path / "t.gguf", every(T.Q4_0))
+    own = gguf_utils.load_gguf_checkpoint
+    decoded = []
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", lambda *a, **k: decoded.append(a) or own(*a, **k))
+    counting = gguf_utils.load_gguf_checkpoint
+    with reading_headers_once():
+        first = gguf_utils.load_gguf_checkpoint(path, return_tensors=False)
+        first["config"]["model_type"] = "changed by its caller"
+        second = gguf_utils.load_gguf_checkpoint(str(path), return_tensors=False)
+    assert len(decoded) == 1
+    assert second["config"]["model_type"] == "llama"
+    assert second["tokenizer"]["tokens"] == own(path, return_tensors=False)["tokenizer"]["tokens"]
+    assert gguf_utils.load_gguf_checkpoint is counting
