@@ -6,6 +6,13 @@ thread from here on) -> the app (tern/factory.py) under uvicorn.
 """
 from __future__ import annotations
 
+import gc
+
+if __name__ == "__main__":
+    # Started as a server: no cyclic collection until the app is built (see end_startup_gc_pause). Here, before the
+    # imports, which are most of the objects a start creates.
+    gc.disable()
+
 import logging
 import sys
 from pathlib import Path
@@ -49,12 +56,24 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     app = create_app(server, registry=registry)
+    end_startup_gc_pause()
     # h11 and asyncio whatever else is installed: uvicorn's "auto" picks httptools and uvloop when present (Ray
     # brings them, requirements-ray.txt), and the server would then parse and schedule differently from the image.
     config = uvicorn.Config(app, host=server.host, port=server.port, log_level=server.log_level,
                             timeout_graceful_shutdown=FLUSH_TIMEOUT_S, http="h11", loop="asyncio")
     DrainingServer(config, registry, server.drain_timeout_s).run()  # returns once drained
     return 0
+
+
+def end_startup_gc_pause() -> None:
+    """A start creates the web app's objects (Gradio, FastAPI, pydantic, transformers) and few cycles among them, yet
+    with the collector on Python traversed them all, again and again as they grew: 6 full collections, 0.6 s of a
+    1B GGUF's start on 2 cores, holding the GIL. Started as a server, collection is off until here; now those
+    objects move to the permanent generation (gc.freeze: later collections skip them) and collection is back on
+    for what serving creates. Called by a caller that kept the collector on (tests), nothing changes."""
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
 
 
 def check_checkpoints(specs: list[ModelSpec], convert: bool) -> None:

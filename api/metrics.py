@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, GCCollector, Histogram,
+                               ProcessCollector, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.registry import LOADED, LOADING, UNLOADED, UNLOADING, FAILED, ModelRegistry
@@ -52,6 +53,10 @@ class Metrics:
             buckets=_REQUEST_BUCKETS_S, registry=registry,
         )
         registry.register(_ModelsCollector(models))
+        # What prometheus_client's default registry would have: the process's memory, CPU seconds and start time
+        # (process_*), and the garbage collector's collections per generation (python_gc_*).
+        ProcessCollector(registry=registry)
+        GCCollector(registry=registry)
 
     def of(self, model_id: str) -> ModelMetrics:
         return ModelMetrics(*(series.labels(model_id) for series in (
