@@ -12,6 +12,11 @@ Measured: seconds from launch to ready (/health 200, and for Tern no compile und
 memory at ready (VmHWM: the peak of loading; VmRSS) and its peak after the runs, one stream's and 16 streams' output tokens/s (~100-token
 prompts, 128 tokens, ignore_eos, bench/serve.py), and the time to first token of a ~1,500-token prompt (prefill).
 Ratios are Tern over llama-server within a round. 127.0.0.1 only.
+
+One stream against the physics: the VM's streaming read bandwidth moves by a third from one minute to the next, so
+it is measured around each one-stream run (read_gbs: a sum over 1 GiB, best of 5, just before and just after), and
+each server's decode rate (bench/serve.py's per-stream tok/s, first token excluded) is shown as a share of
+bandwidth / bytes a token reads (every weight tensor, the embedding table only when the head is a tensor of its own).
 """
 from __future__ import annotations
 
@@ -63,6 +68,30 @@ def read_through(model: Path) -> None:
     with open(model, "rb") as file:
         while file.read(1 << 24):
             pass
+
+
+def read_gbs(gib: int = 1, repeats: int = 5) -> float:
+    """The machine's streaming read rate now, GB/s, as ../shared/tools/membw.py measures it (read_gbs): a float32
+    sum over `gib` GiB (torch, every core), best of `repeats`; the buffer is freed before a server runs again."""
+    import torch
+
+    data = torch.ones(gib << 28)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass faults the pages in
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return data.numel() * 4 / best / 1e9
+
+
+def bytes_per_token(model: Path) -> int:
+    """The weight bytes one decoded token reads: every tensor, but the embedding table only when the output
+    head is a tensor of its own (then a token reads one row of it; tied, the head reads it whole)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(model).tensors}
+    untied = "output.weight" in tensors
+    return sum(n for name, n in tensors.items() if not (untied and name == "token_embd.weight"))
 
 
 def memory_mb(pid: int) -> dict[str, float]:
@@ -128,7 +157,10 @@ def measure(server: str, model: Path, args) -> dict:
         result["ready_s"] = first.ready_s
         result["load_peak_mb"] = first.at_ready.get("VmHWM", float("nan"))
         result["ready_mb"] = first.at_ready.get("VmRSS", float("nan"))
-        result["c1"] = first.sweep(1)["output_tok_s"]
+        before = read_gbs()
+        one = first.sweep(1)
+        result["read_gbs"] = (before + read_gbs()) / 2
+        result["c1"], result["c1_decode"] = one["output_tok_s"], one["stream_decode_tok_s"]
         result["prefill_s"] = first.prefill_s(args.prefill_tokens)
         if server != "llama-server":
             result["c16"] = first.sweep(16)["output_tok_s"]
@@ -191,6 +223,20 @@ def main() -> None:
         print(f"| {model.name} | {model.stat().st_size / 2**20:.0f} | {pair('c1')} | {pair('c16')} | "
               f"{pair('prefill_s', higher_is_better=False)} | {pair('ready_s', higher_is_better=False)} | "
               f"{plain('load_peak_mb')} | {plain('ready_mb')} | {plain('peak_mb')} |")
+
+    print("\nOne stream against the bandwidth ceiling (read GB/s around each run / bytes a token reads), per round:\n")
+    print("| GGUF | MB a token | Tern: read GB/s, ceiling tok/s, decode tok/s (share) | "
+          "llama-server: read GB/s, ceiling, decode (share) |")
+    print("|---|---|---|---|")
+    for model, rounds in table:
+        per_token = bytes_per_token(model)
+
+        def shares(runs: list[dict]) -> str:
+            return "; ".join(f"{r['read_gbs']:.1f}, {r['read_gbs'] * 1e9 / per_token:.1f}, {r['c1_decode']:.1f} "
+                             f"(**{r['c1_decode'] * per_token / (r['read_gbs'] * 1e9):.0%}**)" for r in runs)
+
+        print(f"| {model.name} | {per_token / 1e6:.0f} | {shares(rounds['tern'])} | "
+              f"{shares(rounds['llama-server'])} |")
 
 
 if __name__ == "__main__":
