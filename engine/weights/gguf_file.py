@@ -264,12 +264,17 @@ _headers_read: dict[str, HeaderReader] | None = None  # while reading_headers_on
 _reading_once = threading.RLock()  # one thread at a time swaps gguf's reader (two models may load at once)
 
 
+def _file_key(path) -> str:
+    """One file, however a caller names it: the key of the per-file parses within reading_headers_once()."""
+    return str(Path(path).resolve())
+
+
 def header_reader(path, *args, **kwargs) -> HeaderReader:
     """The file's parsed header: within reading_headers_once() the one parse all readers share, else a new one."""
     parsed = _headers_read
     if parsed is None:
         return HeaderReader(path, *args, **kwargs)
-    key = str(Path(path).resolve())
+    key = _file_key(path)
     if key not in parsed:
         parsed[key] = HeaderReader(path, *args, **kwargs)
     return parsed[key]
@@ -280,33 +285,30 @@ def reading_headers_once():
     """Within this block each GGUF's header is parsed once, by whoever asks first: Tern (_read_header), gguf_config,
     and transformers, which parses a file once for its config and again for its tokenizer (its 49,152-entry
     vocabulary one view at a time), decodes its metadata as often (_metadata_parsed_once, where the caller imported
-    transformers' GGUF module) and builds gguf's tensor-name map once per module (397 times for SmolLM2): seconds of
-    a new file's first start on 2 cores. Re-entrant; the parsed headers are dropped at the end."""
+    transformers' GGUF module; nothing here imports transformers for it) and builds gguf's tensor-name map once per
+    module (397 times for SmolLM2): seconds of a new file's first start on 2 cores. Re-entrant; the parsed headers
+    are dropped and every function swapped in is put back at the end."""
     global _headers_read
     with _reading_once:
         if _headers_read is not None:  # nested in this thread's own block
             yield
             return
-        reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        swaps = [(gguf, "GGUFReader", header_reader),
+                 (gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))]
+        transformers_gguf = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+        if transformers_gguf is not None:
+            swaps.append((transformers_gguf, "load_gguf_checkpoint",
+                          _metadata_parsed_once(transformers_gguf.load_gguf_checkpoint)))
+        originals = [(module, name, getattr(module, name)) for module, name, _ in swaps]
         _headers_read = {}
-        gguf.GGUFReader, gguf.get_tensor_name_map = header_reader, functools.lru_cache(maxsize=None)(name_map)
-        gguf_utils = _transformers_gguf_utils()
-        parse_metadata = gguf_utils.load_gguf_checkpoint if gguf_utils else None
-        if gguf_utils:
-            gguf_utils.load_gguf_checkpoint = _metadata_parsed_once(parse_metadata)
+        for module, name, replacement in swaps:
+            setattr(module, name, replacement)
         try:
             yield
         finally:
-            gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
-            if gguf_utils:
-                gguf_utils.load_gguf_checkpoint = parse_metadata
+            for module, name, original in originals:
+                setattr(module, name, original)
             _headers_read = None
-
-
-def _transformers_gguf_utils():
-    """transformers' GGUF module where it is already imported (whoever reads a file through transformers imported
-    it; nothing here imports transformers for it)."""
-    return sys.modules.get("transformers.modeling_gguf_pytorch_utils")
 
 
 def _metadata_parsed_once(parse_metadata):
@@ -318,7 +320,7 @@ def _metadata_parsed_once(parse_metadata):
     def load_gguf_checkpoint(path, return_tensors=False, *args, **kwargs):
         if return_tensors or args or kwargs:
             return parse_metadata(path, return_tensors, *args, **kwargs)
-        key = str(Path(path).resolve())
+        key = _file_key(path)
         if key not in parsed:
             parsed[key] = parse_metadata(path, return_tensors=False)
         return copy.deepcopy(parsed[key])
