@@ -153,16 +153,36 @@ void attend_tile(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_
   acc.resize(heads * D);  // weigh_values writes every sum
   for (int64_t r = 0; r < R; ++r)
     for (int64_t i = 0; i < G * D; i += V::kLanes) V::store(&query[r * G * D + i], V::load(q + r * q_row_stride + i));
+  // Scores two heads and half a register of positions at a time: each (head, position) dot sums in a register of
+  // its own and sum_each folds the kLanes of them into one register, the first head's scores in its low half, the
+  // second's in its high half (a horizontal sum per dot cost more than the dots). Each key register is loaded once
+  // for both heads. A dot's lanes are its fused multiply-adds in order of registers, then sum_each's fixed tree:
+  // the same bits for a position whatever block, pair of heads, tile or batch it is in. A block's positions past
+  // a row's length are scored and never read; past the tile's length they repeat its last key and are not stored.
+  constexpr int64_t P = V::kLanes / 2;
   int64_t first_row = 0;  // the first row whose context reaches position l
-  for (int64_t l = 0; l < length; ++l) {
-    if (l + kPrefetch < length) prefetch_row(k_cache + slots[l + kPrefetch] * row_stride, D);
+  for (int64_t l = 0; l < length; l += P) {
+    for (int64_t ahead = l + kPrefetch; ahead < std::min(l + kPrefetch + P, length); ++ahead)
+      prefetch_row(k_cache + slots[ahead] * row_stride, D);
     while (lengths[first_row] <= l) ++first_row;
-    const T* key = k_cache + slots[l] * row_stride;
-    for (int64_t head = first_row * G; head < heads; ++head) {
-      Reg dot = V::zero();
-      for (int64_t j = 0; j < vectors; ++j)
-        dot = V::fmadd(V::load(&query[head * D + j * V::kLanes]), V::load(key + j * V::kLanes), dot);
-      scores[head * length + l] = V::reduce_add(dot);
+    const int64_t block = std::min<int64_t>(P, length - l);
+    const T* keys[P];
+    for (int64_t p = 0; p < P; ++p) keys[p] = k_cache + slots[l + std::min(p, block - 1)] * row_stride;
+    for (int64_t head = first_row * G; head < heads; head += 2) {
+      const int64_t second = std::min(head + 1, heads - 1);  // an odd head out pairs with itself
+      Reg dots[V::kLanes];
+      for (int64_t d = 0; d < V::kLanes; ++d) dots[d] = V::zero();
+      for (int64_t j = 0; j < vectors; ++j) {
+        const Reg q_first = V::load(&query[head * D + j * V::kLanes]);
+        const Reg q_second = V::load(&query[second * D + j * V::kLanes]);
+        for (int64_t p = 0; p < P; ++p) {
+          const Reg key = V::load(keys[p] + j * V::kLanes);
+          dots[p] = V::fmadd(q_first, key, dots[p]);
+          dots[P + p] = V::fmadd(q_second, key, dots[P + p]);
+        }
+      }
+      const Reg both = V::sum_each(dots);
+      V::store_half(&scores[head * length + l], &scores[second * length + l], block, both);
     }
   }
   const Reg scale_v = V::set1(scale);

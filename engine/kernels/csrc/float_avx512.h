@@ -34,6 +34,27 @@ struct Avx512 {
   static Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
   static float reduce_add(Reg v) { return _mm512_reduce_add_ps(v); }
   static float reduce_max(Reg v) { return _mm512_reduce_max_ps(v); }
+  // lane i of the result = the sum of v[i]'s 16 lanes: 16 horizontal sums in 15 adds of shuffled pairs (a
+  // reduce_add each would take 4 shuffles and 4 adds of one register at a time).
+  // v's low 8 lanes to low[0, n), its high 8 to high[0, n) (n <= 8; high written last where the two are one)
+  static void store_half(float* low, float* high, int64_t n, Reg v) {
+    const __mmask8 mask = static_cast<__mmask8>((1u << n) - 1);
+    _mm256_mask_storeu_ps(low, mask, _mm512_castps512_ps256(v));
+    _mm256_mask_storeu_ps(high, mask, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+  static Reg sum_each(const Reg (&v)[16]) {
+    Reg pairs[8], quads[4], halves[2];
+    for (int i = 0; i < 8; ++i)  // 128-bit block b: v[2i] and v[2i+1]'s lanes {0+2, 1+3} of that block
+      pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)  // block b: v[4i .. 4i+3], each summed over its lanes of that block
+      quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
+                               _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; ++i)  // blocks {v[8i..8i+3] of blocks 0+1, 2+3; v[8i+4..8i+7] of blocks 0+1, 2+3}
+      halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                                _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                         _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+  }
 
   static Reg round_to_bf16(Reg value) {  // to nearest, ties to even, kept as fp32
     const __m512i bits = _mm512_castps_si512(value);
