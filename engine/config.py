@@ -8,11 +8,13 @@ from pathlib import Path
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "bnb-int8", "bnb-nf4", "bnb-fp4")  # see engine/weights/quant.py
+KV_CACHE_DTYPES = ("auto", "bfloat16")  # auto: the model's dtype; bfloat16: a float32 model's cache in bf16
 # What the server (`make run`, the image, each Ray replica) serves differs from the dataclass defaults in these fields
-# only. The defaults stay float weights and the eager decode step: what the tests and benchmarks compare against,
-# built in a second, where the compiled step takes minutes on a machine's first start and quantized weights change
-# every logprob the parity tests hold to transformers. EngineConfig.serving() applies them.
-SERVING = {"quantization": "auto", "compile": True}
+# only. The defaults stay float weights, a cache of the model's dtype and the eager decode step: what the tests and
+# benchmarks compare against, built in a second, where the compiled step takes minutes on a machine's first start and
+# quantized weights (or bf16 keys and values) change every logprob the parity tests hold to transformers.
+# EngineConfig.serving() applies them.
+SERVING = {"quantization": "auto", "compile": True, "kv_cache_dtype": "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,9 @@ class EngineConfig:
     max_waiting: int = 256  # queued sequences beyond which submit() refuses (backpressure)
     block_size: int = 16  # tokens per KV-cache block
     kv_cache_memory_bytes: int = 1 << 30  # budget for the paged KV pool
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16 halves a float32 model's KV bytes (twice the
+    # tokens in the budget, half the reads of a decode step's attention), its keys and values rounded once as stored
+    # (a bf16 or fp16 model's cache keeps the model's dtype); the server's is bfloat16 (SERVING), as llama.cpp's is f16
     num_kv_blocks: int | None = None  # overrides the budget (tests use it to force preemption)
     cache_dir: str | None = None  # where converted checkpoints live; None: $TERN_CACHE or ~/.cache/tern
     seed: int = 0  # seeds requests that bring no seed of their own, reproducibly per engine
@@ -56,6 +61,8 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")

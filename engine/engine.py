@@ -92,7 +92,7 @@ class Engine:
         self.max_model_len = plan.max_model_len
         self.kv_cache = None
         if plan.kv_args is not None:
-            self.kv_cache = KVCache(plan.kv_args[0], plan.num_blocks, *plan.kv_args[1:], self.dtype, self.device)
+            self.kv_cache = KVCache(plan.kv_args[0], plan.num_blocks, *plan.kv_args[1:], plan.dtype, self.device)
             model.build_rope_tables(plan.max_model_len, self.device, self.dtype)
         self.allocator = BlockAllocator(plan.num_blocks)
         self.runner = build_runner(self.config, self.loaded, self.kv_cache, self.allocator, self.max_model_len,
@@ -104,9 +104,10 @@ class Engine:
                                    enable_prefix_caching=self.config.enable_prefix_caching and self.loaded.is_native)
         self._sequences = SequenceFactory(self.tokenizer, self.device, self.max_model_len, self.config.seed)
         self._postprocessor = Postprocessor(self.scheduler, self.tokenizer.eos_ids, self.max_model_len)
-        logger.info("engine ready: %s (%s, %s, %s), max_model_len %d, %d KV blocks of %d tokens, %d tokens per step",
+        logger.info("engine ready: %s (%s, %s, %s), max_model_len %d, %d KV blocks of %d tokens%s, %d tokens per step",
                     self.model_name, "native" if self.loaded.is_native else "generic transformers path", self.device,
                     str(self.dtype).removeprefix("torch."), self.max_model_len, plan.num_blocks, self.config.block_size,
+                    f" ({str(plan.dtype).removeprefix('torch.')})" if plan.dtype not in (None, self.dtype) else "",
                     self.max_num_batched_tokens)
         if self.tokenizer.reasoning is not None:
             logger.info("thinking model: %s", self.tokenizer.reasoning.describe())

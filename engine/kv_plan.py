@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache, blocks_needed
 from engine.weights.loader import LoadedModel
@@ -18,6 +20,7 @@ class KVPlan:
     max_model_len: int
     kv_args: tuple[int, int, int, int] | None  # KVCache's (num_layers, block_size, num_kv_heads, head_dim); None:
     # the generic path, which recomputes every step and keeps no cache, but whose allocator still bounds context
+    dtype: torch.dtype | None = None  # the cache's: the model's, unless config.kv_cache_dtype names another
 
 
 def plan_kv_cache(config: EngineConfig, loaded: LoadedModel) -> KVPlan:
@@ -29,10 +32,12 @@ def plan_kv_cache(config: EngineConfig, loaded: LoadedModel) -> KVPlan:
         return KVPlan(config.num_kv_blocks or blocks_for_every_seq, limit, None)
     hf_config, model = loaded.hf_config, loaded.model
     kv_args = (hf_config.num_hidden_layers, config.block_size, model.num_kv_heads, model.head_dim)
-    bytes_per_block = KVCache.bytes_per_block(*kv_args, loaded.dtype)
+    # bfloat16 narrows a float32 model's cache only: a half-precision model's is half precision already.
+    dtype = torch.bfloat16 if config.kv_cache_dtype == "bfloat16" and loaded.dtype == torch.float32 else loaded.dtype
+    bytes_per_block = KVCache.bytes_per_block(*kv_args, dtype)
     num_blocks = config.num_kv_blocks or max(min(config.kv_cache_memory_bytes // bytes_per_block,
                                                  blocks_for_every_seq), 1)
-    return KVPlan(num_blocks, min(limit, num_blocks * config.block_size), kv_args)
+    return KVPlan(num_blocks, min(limit, num_blocks * config.block_size), kv_args, dtype)
 
 
 def _context_limit(config: EngineConfig, loaded: LoadedModel) -> int:

@@ -11,7 +11,7 @@ from api.limits import DEFAULT_MAX_BODY_SIZE_BYTES
 from api.responses import DEFAULT_MAX_STORED_RESPONSES
 from api.shutdown import DEFAULT_DRAIN_TIMEOUT_S
 from engine import EngineConfig
-from engine.config import DEVICES, DTYPES, QUANTIZATIONS
+from engine.config import DEVICES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 from engine.registry import ModelSpec
 from tern.model_specs import DEFAULT_KEEP_ALIVE_S, SettingsError, model_specs
 
@@ -144,6 +144,10 @@ ENGINE_FLAGS = (
     Flag("max-model-len", "max_model_len", "TERN_MAX_MODEL_LEN", "context length cap; unset: the model's own",
          type=optional_int),
     Flag("max-num-seqs", "max_num_seqs", "TERN_MAX_NUM_SEQS", "sequences per step", type=int),
+    Flag("kv-cache-dtype", "kv_cache_dtype", "TERN_KV_CACHE_DTYPE", "the KV cache's dtype; bfloat16 (the "
+         "default) holds a float32 model's keys and values in bf16, rounded once as stored (llama.cpp's cache is "
+         "f16): twice the tokens in the same memory, half what attention reads; auto = the model's dtype",
+         choices=KV_CACHE_DTYPES),
     Flag("max-num-batched-tokens", "max_num_batched_tokens", "TERN_MAX_NUM_BATCHED_TOKENS", "tokens per step; longer "
          "prompts are prefilled in chunks; unset or 0: 256 on CPU, 2048 on CUDA",
          type=lambda text: int(text or 0) or None),

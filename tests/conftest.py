@@ -277,10 +277,11 @@ def stop_server(process: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="session")
 def live_server(default_checkpoint):
-    """The real server on the default model in fp32 and unquantized (its answers are transformers'), compiling its
-    decode step before it says ready as the server does by default; shared by the end-to-end tests. Yields its base
-    URL."""
-    process, base_url, log_path = start_server("--dtype", "float32", "--quantization", "none", log_name="live-server")
+    """The real server on the default model in fp32, unquantized and with an fp32 KV cache (its answers are
+    transformers'), compiling its decode step before it says ready as the server does by default; shared by the
+    end-to-end tests. Yields its base URL."""
+    process, base_url, log_path = start_server("--dtype", "float32", "--quantization", "none", "--kv-cache-dtype",
+                                               "auto", log_name="live-server")
     SERVER_PIDS[base_url] = process.pid
     try:
         wait_healthy(process, base_url, log_path, timeout_s=900)  # a cold inductor cache: minutes on 2 cores

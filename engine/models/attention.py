@@ -53,8 +53,10 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, H*D]
     # The caches come flat and each layer's has its own storage: under torch.compile, a write through a view
     # of the cache (or into tensors sharing one storage) made inductor copy the layer's whole cache per step.
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    # A cache of another dtype than the model's (--kv-cache-dtype) stores each value rounded once, as the native
+    # step does, and every read below computes with those rounded values in the model's dtype.
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     if len(meta.groups) == 1 and meta.groups[0].rows is None:
         return _attend(q, k_cache, v_cache, meta.groups[0], scale, softcap)
     out = q.new_empty(q.shape[0], q.shape[1] * k.shape[2])
@@ -90,8 +92,8 @@ def _attend(q, k_flat, v_flat, group: AttentionGroup, scale: float, softcap: flo
     # index_select (one memcpy per row) rather than advanced indexing: several times faster on CPU.
     batch, context_len = group.context_slots.shape
     slots = group.context_slots.reshape(-1)
-    keys = k_flat.index_select(0, slots).view(batch, context_len, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_flat.index_select(0, slots).view(batch, context_len, num_kv_heads, head_dim).transpose(1, 2)
+    keys = k_flat.index_select(0, slots).to(q.dtype).view(batch, context_len, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_flat.index_select(0, slots).to(q.dtype).view(batch, context_len, num_kv_heads, head_dim).transpose(1, 2)
     num_heads = q.shape[1]
     if group.is_decode:
         q_rows = q if group.rows is None else q.index_select(0, group.rows)  # [B, H, D]

@@ -229,6 +229,27 @@ def test_a_prompts_logprobs_are_the_same_bits_whatever_arrives_with_it(tiny_engi
         engine.abort(stream.request_id)
 
 
+def test_a_bf16_kv_cache_on_a_float32_model_holds_twice_the_tokens_and_answers_alike(tiny_engine_factory):
+    """--kv-cache-dtype bfloat16 on whatever path this machine takes (the kernels' or, with TERN_CPU_KERNELS=off,
+    plain PyTorch): twice the blocks in the same memory; a sequence's tokens are the same alone or batched; and its
+    logprobs stay near the float32 cache's (each key and value rounded once to bf16 as stored)."""
+    prompts = _prompts(4, seed=3)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    runs, blocks = {}, {}
+    for kv_cache_dtype in ("auto", "bfloat16"):
+        engine, _ = tiny_engine_factory(kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=1 << 20)
+        assert engine.kv_cache.dtype == (torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.float32)
+        blocks[kv_cache_dtype] = engine.kv_cache.num_blocks
+        batched = [c.choices[0] for c in engine.generate(prompts, greedy)]
+        alone = [engine.generate([p], greedy)[0].choices[0] for p in prompts]
+        assert [c.token_ids for c in batched] == [c.token_ids for c in alone]
+        runs[kv_cache_dtype] = batched
+        engine.stop()
+    assert blocks["bfloat16"] == 2 * blocks["auto"]
+    for wide, narrow in zip(runs["auto"], runs["bfloat16"]):
+        assert abs(wide.logprobs[0].logprob - narrow.logprobs[0].logprob) < 0.05
+
+
 def test_bad_requests_raise_before_anything_is_queued(tiny_engine_factory):
     engine, _ = tiny_engine_factory(max_model_len=64)
     with pytest.raises(ContextLengthExceededError) as info:

@@ -12,7 +12,8 @@
 // token decoded agree to fp32 summation order: scores stay fp32 (scaled in fp32), each exp(s - max) is rounded to
 // bf16 to weight the values while the sum divides in fp32 at the end, and the output is rounded once. (Rounding
 // scores to bf16, as a bf16 matmul does, moved logprobs by ~0.15 nats between prompt and decode.) In fp32 it is
-// softmax then the weighted sum. Each pair's arithmetic is the same whatever else is in the batch.
+// softmax then the weighted sum, also over a bf16 cache (--kv-cache-dtype: float32 queries, each key and value widened
+// as read). Each pair's arithmetic is the same whatever else is in the batch.
 #pragma once
 
 #include "kernels.h"
@@ -139,8 +140,8 @@ void weigh_values(const T* v_cache, const int64_t* slots, int64_t row_stride, co
 // per row; each (row, head)'s arithmetic is what it would be alone, in the same order: its scores one dot per
 // position, its softmax over its own length, its sum over its positions in order. So a prompt run as R decode rows
 // gets the bits that decoding each of its tokens gets.
-template <class V, typename T>
-void attend_tile(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache, const int64_t* slots,
+template <class V, typename T, typename C>
+void attend_tile(const T* q, int64_t q_row_stride, const C* k_cache, const C* v_cache, const int64_t* slots,
                  const int64_t* lengths, int64_t R, int64_t row_stride, int64_t G, int64_t D, float scale,
                  bool round_like_bf16, T* out, int64_t out_row_stride, Scratch& scratch) {
   using Reg = typename V::Reg;
@@ -166,7 +167,7 @@ void attend_tile(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_
       prefetch_row(k_cache + slots[ahead] * row_stride, D);
     while (lengths[first_row] <= l) ++first_row;
     const int64_t block = std::min<int64_t>(P, length - l);
-    const T* keys[P];
+    const C* keys[P];
     for (int64_t p = 0; p < P; ++p) keys[p] = k_cache + slots[l + std::min(p, block - 1)] * row_stride;
     for (int64_t head = first_row * G; head < heads; head += 2) {
       const int64_t second = std::min(head + 1, heads - 1);  // an odd head out pairs with itself
@@ -226,13 +227,14 @@ void attend_tile(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_
   for (int64_t r = 0; r < R; ++r) store_floats(out + r * out_row_stride, &acc[r * G * D], G * D);
 }
 
-// Tasks [task0, task1) of p: each is one (tile, KV head) pair (see attention_tiles).
-template <class V, typename T>
+// Tasks [task0, task1) of p: each is one (tile, KV head) pair (see attention_tiles). T: the queries' and output's
+// type, C: the caches'.
+template <class V, typename T, typename C>
 void attend(const AttentionProblem& p, int64_t task0, int64_t task1) {
   const int64_t G = p.H / p.Hkv;
   const T* q = static_cast<const T*>(p.q);
-  const T* k = static_cast<const T*>(p.k_cache);
-  const T* v = static_cast<const T*>(p.v_cache);
+  const C* k = static_cast<const C*>(p.k_cache);
+  const C* v = static_cast<const C*>(p.v_cache);
   T* out = static_cast<T*>(p.out);
   Scratch scratch;
   std::vector<int64_t> lengths;
@@ -244,7 +246,7 @@ void attend(const AttentionProblem& p, int64_t task0, int64_t task1) {
     const int64_t b0 = p.tiles[tile], rows = p.tiles[tile + 1] - b0, last = b0 + rows - 1;
     lengths.resize(rows);
     for (int64_t r = 0; r < rows; ++r) lengths[r] = std::min(p.lengths[b0 + r], p.L);
-    attend_tile<V, T>(q + (b0 * p.H + h * G) * p.D, p.H * p.D, k + h * p.D, v + h * p.D, p.slots + last * p.L,
+    attend_tile<V, T, C>(q + (b0 * p.H + h * G) * p.D, p.H * p.D, k + h * p.D, v + h * p.D, p.slots + last * p.L,
                       lengths.data(), rows, p.Hkv * p.D, G, p.D, p.scale, p.bf16, out + (b0 * p.H + h * G) * p.D,
                       p.H * p.D, scratch);
   }
@@ -252,8 +254,9 @@ void attend(const AttentionProblem& p, int64_t task0, int64_t task1) {
 
 template <class V>
 void attend(const AttentionProblem& p, int64_t task0, int64_t task1) {
-  if (p.bf16) attend<V, uint16_t>(p, task0, task1);
-  else attend<V, float>(p, task0, task1);
+  if (p.bf16) attend<V, uint16_t, uint16_t>(p, task0, task1);
+  else if (p.kv_bf16) attend<V, float, uint16_t>(p, task0, task1);
+  else attend<V, float, float>(p, task0, task1);
 }
 
 }  // namespace tern::attention

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -48,7 +49,7 @@ struct Linear {
 struct Layer {
   at::Tensor input_norm, post_norm, q_norm, k_norm;  // q_norm and k_norm: Qwen3 only
   Linear qkv, o, gate_up, down;
-  at::Tensor k_cache, v_cache;  // [slots, Hkv, D] float32, the engine's own
+  at::Tensor k_cache, v_cache;  // [slots, Hkv, D] float32 or bf16 (--kv-cache-dtype), the engine's own
 };
 
 constexpr int64_t kElementwiseGrain = 4096;  // values per thread's share of an elementwise step, at least
@@ -56,6 +57,15 @@ constexpr int64_t kElementwiseGrain = 4096;  // values per thread's share of an 
 at::Tensor defined_or_empty(const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); }
 
 const float* data(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+// Floats to bf16, rounded to nearest even as torch's conversion rounds (finite values: a cache holds no others).
+void to_bf16(const float* from, uint16_t* to, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &from[i], sizeof(bits));
+    to[i] = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+  }
+}
 
 class DecodeStep : public torch::CustomClassHolder {
  public:
@@ -137,10 +147,11 @@ class DecodeStep : public torch::CustomClassHolder {
       }
       layer.k_cache = next_tensor();
       layer.v_cache = next_tensor();
-      TORCH_CHECK(layer.k_cache.scalar_type() == at::kFloat && layer.k_cache.is_contiguous() &&
+      TORCH_CHECK((layer.k_cache.scalar_type() == at::kFloat || layer.k_cache.scalar_type() == at::kBFloat16) &&
+                      layer.v_cache.scalar_type() == layer.k_cache.scalar_type() && layer.k_cache.is_contiguous() &&
                       layer.v_cache.is_contiguous() && layer.k_cache.size(1) == num_kv_heads &&
                       layer.k_cache.size(2) == head_dim,
-                  "DecodeStep: caches must be contiguous float32 [slots, Hkv, D]");
+                  "DecodeStep: caches must be contiguous float32 or bf16 [slots, Hkv, D]");
       TORCH_CHECK(layer.qkv.N == (num_heads + 2 * num_kv_heads) * head_dim, "DecodeStep: qkv rows");
       layers_.push_back(std::move(layer));
     }
@@ -167,6 +178,7 @@ class DecodeStep : public torch::CustomClassHolder {
     const float* sn = sin.data_ptr<float>();
     const int64_t* slot = slots.data_ptr<int64_t>();
     for (const Layer& layer : layers_) {
+      const bool kv_bf16 = layer.k_cache.scalar_type() == at::kBFloat16;
       const int64_t inter = layer.gate_up.N / 2, qkv_width = layer.qkv.N;
       h_.resize(B * H);
       qkv_.resize(B * qkv_width);
@@ -187,13 +199,22 @@ class DecodeStep : public torch::CustomClassHolder {
           rms_norm(k, layer.k_norm.data_ptr<float>(), k, Hkv, D);
         }
         for (int64_t h = 0; h < Hq; ++h) rope(row + h * D, cs + b * D, sn + b * D, &q_[(b * Hq + h) * D]);
-        float* k_dst = layer.k_cache.data_ptr<float>() + slot[b] * Hkv * D;
-        float* v_dst = layer.v_cache.data_ptr<float>() + slot[b] * Hkv * D;
-        for (int64_t h = 0; h < Hkv; ++h) rope(k + h * D, cs + b * D, sn + b * D, k_dst + h * D);
-        std::copy(v, v + Hkv * D, v_dst);
+        if (kv_bf16) {  // rounded to nearest even, as the eager step's index_copy_ into a bf16 cache rounds
+          uint16_t* k_dst = static_cast<uint16_t*>(layer.k_cache.data_ptr()) + slot[b] * Hkv * D;
+          uint16_t* v_dst = static_cast<uint16_t*>(layer.v_cache.data_ptr()) + slot[b] * Hkv * D;
+          k_rope_.resize(Hkv * D);
+          for (int64_t h = 0; h < Hkv; ++h) rope(k + h * D, cs + b * D, sn + b * D, &k_rope_[h * D]);
+          to_bf16(k_rope_.data(), k_dst, Hkv * D);
+          to_bf16(v, v_dst, Hkv * D);
+        } else {
+          float* k_dst = layer.k_cache.data_ptr<float>() + slot[b] * Hkv * D;
+          float* v_dst = layer.v_cache.data_ptr<float>() + slot[b] * Hkv * D;
+          for (int64_t h = 0; h < Hkv; ++h) rope(k + h * D, cs + b * D, sn + b * D, k_dst + h * D);
+          std::copy(v, v + Hkv * D, v_dst);
+        }
       }
-      const AttentionProblem problem{q_.data(), layer.k_cache.data_ptr<float>(), layer.v_cache.data_ptr<float>(),
-                                     false, context.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), B, Hq, D, Hkv,
+      const AttentionProblem problem{q_.data(), layer.k_cache.data_ptr(), layer.v_cache.data_ptr(), false, kv_bf16,
+                                     context.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), B, Hq, D, Hkv,
                                      context.size(1), 1.0f / std::sqrt(static_cast<float>(D)), attn_.data()};
       decode_attention(attention_, problem);
       linear(layer.o, attn_.data(), B, out_.data());
@@ -251,7 +272,7 @@ class DecodeStep : public torch::CustomClassHolder {
   SiluMul silu_ = nullptr;
   std::vector<Layer> layers_;
   QuantizedScratch scratch_;
-  std::vector<float> h_, qkv_, q_, attn_, gate_up_, act_, out_;  // per-step buffers, reused
+  std::vector<float> h_, qkv_, q_, attn_, gate_up_, act_, out_, k_rope_;  // per-step buffers, reused
 };
 
 }  // namespace

@@ -141,7 +141,8 @@ struct AttentionProblem {
   const void* q;  // [B, H, D]
   const void* k_cache;  // [slots, Hkv, D]
   const void* v_cache;
-  bool bf16;  // all three bf16 (else float32); the output too
+  bool bf16;  // q and the output bf16 (else float32); the caches too
+  bool kv_bf16;  // the caches bf16 (true when bf16 is; float32 queries may read a bf16 cache)
   const int64_t* slots;  // [B, L]
   const int64_t* lengths;  // [B]
   int64_t B, H, D, Hkv, L;

@@ -87,9 +87,10 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, c
               "decode_attention: q [B, H, D], caches [slots, Hkv, D]");
   TORCH_CHECK(q.size(2) == k_cache.size(2) && q.size(2) % 16 == 0, "head_dim must match and be a multiple of 16");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "q and the caches must share a dtype");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, "decode_attention takes bf16 or fp32");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "the caches must share a dtype");
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+                  (k_cache.scalar_type() == q.scalar_type() || k_cache.scalar_type() == at::kBFloat16),
+              "decode_attention takes bf16 or fp32 queries over caches of their dtype or bf16");
   TORCH_CHECK(context_slots.dim() == 2 && context_slots.size(0) == q.size(0) &&
                   context_slots.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
                   context_lens.numel() == q.size(0),
@@ -98,7 +99,7 @@ at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, c
   const at::Tensor slots = context_slots.contiguous(), lengths = context_lens.contiguous();
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   const AttentionProblem p{q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.scalar_type() == at::kBFloat16,
-                           slots.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), q.size(0), q.size(1), q.size(2),
+                           k_cache.scalar_type() == at::kBFloat16, slots.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), q.size(0), q.size(1), q.size(2),
                            k_cache.size(1), slots.size(1), static_cast<float>(scale), out.data_ptr()};
   decode_attention(Attend, p);
   return out;

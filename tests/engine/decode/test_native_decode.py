@@ -239,9 +239,11 @@ def test_where_the_native_step_cannot_serve_the_engine_says_why_and_decodes_in_p
             engine.stop()
 
 
-@pytest.mark.parametrize("mode,dtype", [("int4", "float32"), ("int8", "float32"), ("int4", "bfloat16"),
-                                        ("int8", "bfloat16"), ("none", "bfloat16")])
-def test_a_prompt_tokens_logprob_is_the_one_it_gets_when_generated(default_tokenizer, path_kernels, mode, dtype):
+@pytest.mark.parametrize("mode,dtype,kv_cache_dtype", [("int4", "float32", "auto"), ("int8", "float32", "auto"),
+                                                       ("int4", "float32", "bfloat16"), ("int4", "bfloat16", "auto"),
+                                                       ("int8", "bfloat16", "auto"), ("none", "bfloat16", "auto")])
+def test_a_prompt_tokens_logprob_is_the_one_it_gets_when_generated(default_tokenizer, path_kernels, mode, dtype,
+                                                                   kv_cache_dtype):
     """Echo and scoring read prompt logprobs; a client compares them with the logprobs of generated text (lm-eval
     scores a continuation either way). Where every matmul is a Tern kernel (the native step; bf16 on the eager step)
     prompts prefill as decode rows, so a token's logprob is the same number whether the token was generated or sent
@@ -258,7 +260,7 @@ def test_a_prompt_tokens_logprob_is_the_one_it_gets_when_generated(default_token
     echoes = {}
     for chunk in (None, 16):
         engine, _ = tiny_quantized_engine("llama", mode, default_tokenizer, dtype=dtype, path=path_kernels,
-                                          max_num_batched_tokens=chunk)
+                                          max_num_batched_tokens=chunk, kv_cache_dtype=kv_cache_dtype)
         try:
             assert engine.info().decode_step == ("native" if dtype == "float32" else "eager")
             assert engine.runner.path.prefills_as_decode_rows
@@ -272,3 +274,35 @@ def test_a_prompt_tokens_logprob_is_the_one_it_gets_when_generated(default_token
         echoes[chunk] = [entry.logprob for entry in echo.prompt_logprobs[len(prompt):]]
         assert echoes[chunk] == [entry.logprob for entry in generated.logprobs]
     assert echoes[None] == echoes[16]
+
+
+def test_a_bf16_kv_cache_holds_twice_the_tokens_and_the_native_step_decodes_from_it_as_its_eager_twin(
+        default_tokenizer, path_kernels):
+    """--kv-cache-dtype bfloat16 on a float32 model: the same memory budget gives twice the blocks, the native step
+    writes keys and values rounded to bf16 and attends over them in float32, as the eager step does through
+    index_copy_ and its plain attention (the same tokens up to near ties, as the float32 cache's test above); and the
+    answers stay close to the float32 cache's (each stored value moves by at most half a bf16 step)."""
+    require_op(path_kernels.q8_mm, "q8")
+    require_op(path_kernels.decode_attention, "decode attention")
+    from conftest import tiny_quantized_engine
+
+    prompts = _prompts(34)
+    budget = {"kv_cache_memory_bytes": 1 << 20, "max_num_seqs": 34, "max_model_len": 256}
+    results, blocks = {}, {}
+    for kv_cache_dtype, native in (("bfloat16", False), ("bfloat16", True), ("auto", True)):
+        engine, _ = tiny_quantized_engine("llama", "int4", default_tokenizer, path=path_kernels,
+                                          native_decode=native, kv_cache_dtype=kv_cache_dtype, **budget)
+        try:
+            assert engine.info().decode_step == ("native" if native else "eager")
+            assert engine.kv_cache.dtype == (torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.float32)
+            blocks[kv_cache_dtype] = engine.kv_cache.num_blocks
+            results[kv_cache_dtype, native] = _outputs(engine, prompts)
+        finally:
+            engine.stop()
+    assert blocks["bfloat16"] == 2 * blocks["auto"]
+    _assert_same_up_to_ties(results["bfloat16", True], results["bfloat16", False], 5e-3)
+    flips = sum(ids != eager for (ids, _), (eager, _) in zip(results["bfloat16", True], results["bfloat16", False]))
+    assert flips <= len(prompts) // 8, f"{flips} of {len(prompts)} sequences differ"
+    first = [entries[0].logprob for _, entries in results["bfloat16", True]]
+    wide = [entries[0].logprob for _, entries in results["auto", True]]
+    assert max(abs(a - b) for a, b in zip(first, wide)) < 0.05

@@ -61,6 +61,27 @@ def test_decode_attention_kernel_reads_the_cache_in_place_as_its_matmul_twin_com
     assert torch.equal(alone[0], out[-1])  # a sequence's attention does not depend on its batch
 
 
+@pytest.mark.parametrize("batch,length,heads,kv_heads,dim", [(16, 243, 9, 3, 64), (5, 100, 8, 2, 32), (3, 1, 4, 2, 16)])
+def test_float32_queries_read_a_bf16_cache_as_their_twin_reads_its_values_widened(path_kernels, batch, length, heads,
+                                                                                 kv_heads, dim):
+    """--kv-cache-dtype bfloat16 on a float32 model: the kernel reads the bf16 cache and computes in float32, as the
+    plain twin does on the cache's values widened to float32 (the rounding happened once, when they were stored)."""
+    attend = require_op(path_kernels.decode_attention, "decode attention")
+    generator = torch.Generator().manual_seed(length)
+    k_cache, v_cache = (torch.randn(4096, kv_heads, dim, generator=generator).bfloat16() for _ in range(2))
+    q = torch.randn(batch, heads, dim, generator=generator)
+    context_slots = torch.randperm(4096, generator=generator)[: batch * length].view(batch, length)
+    context_lens = torch.randint(1, length + 1, (batch,), generator=generator)
+    out = attend(q, k_cache, v_cache, context_slots, context_lens, dim**-0.5)
+    assert out.dtype == torch.float32 and out.shape == (batch, heads * dim)
+    expected = _matmul_decode_attention(q, k_cache.float(), v_cache.float(), context_slots, context_lens, dim**-0.5)
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5)
+    wide = attend(q, k_cache.float(), v_cache.float(), context_slots, context_lens, dim**-0.5)
+    assert torch.allclose(out, wide, rtol=1e-6, atol=1e-6)  # the same arithmetic as on a float32 cache of them
+    with pytest.raises(RuntimeError, match="bf16 or fp32 queries"):
+        attend(q.bfloat16(), k_cache.float(), v_cache.float(), context_slots, context_lens, dim**-0.5)
+
+
 @pytest.mark.parametrize("length", [17, 9, 33])
 def test_decode_attention_with_every_score_far_below_zero_and_a_partial_last_register(path_kernels, length):
     """Scores all below -88 over a context that does not fill its last register: lanes past the end must not
