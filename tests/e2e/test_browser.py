@@ -165,6 +165,8 @@ def test_server_tab_shows_model_and_sdk_snippet(page, live_server):
     open_tab(page, "Server")
     page.wait_for_function("() => /base_url/.test(document.querySelector('#server-snippet').innerText)")
     assert f'base_url="{live_server}/v1"' in page.locator("#server-snippet").inner_text()
+    # The facts table fills in its own update, which may come after the snippet's.
+    page.wait_for_function("() => /SmolLM2/.test(document.querySelector('#server-model').innerText)")
     facts = page.locator("#server-model").inner_text()
     assert "SmolLM2-135M-Instruct" in facts and "float32" in facts and "8,192 tokens" in facts
     screenshot(page, "server")

@@ -38,13 +38,6 @@ inline void prefetch_row(const T* row, int64_t D) {
     _mm_prefetch(bytes + offset, _MM_HINT_T0);
 }
 
-inline uint16_t round_to_bf16_bits(float value) {  // round to nearest, ties to even (finite values)
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 inline void store_floats(float* p, const float* values, int64_t n) {
   for (int64_t i = 0; i < n; ++i) p[i] = values[i];
 }

@@ -16,7 +16,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -58,13 +57,9 @@ at::Tensor defined_or_empty(const at::Tensor& t) { return t.numel() > 0 ? t : at
 
 const float* data(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
-// Floats to bf16, rounded to nearest even as torch's conversion rounds (finite values: a cache holds no others).
+// Floats to bf16 (kernels.h's rounding, torch's; finite values: a cache holds no others).
 void to_bf16(const float* from, uint16_t* to, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, &from[i], sizeof(bits));
-    to[i] = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-  }
+  for (int64_t i = 0; i < n; ++i) to[i] = round_to_bf16_bits(from[i]);
 }
 
 class DecodeStep : public torch::CustomClassHolder {

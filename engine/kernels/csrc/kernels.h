@@ -7,8 +7,17 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace tern {
+
+// A float's bf16 bits, rounded to nearest, ties to even, as torch's conversion rounds (finite values).
+inline uint16_t round_to_bf16_bits(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
 
 // Activations quantized to int8, one scale per block of `block` values (llama.cpp's Q8_K / Q8_1 idea):
 // values [M, K], and per (row, block) its scale (absmax / 127) and the sum of its int8 values.
