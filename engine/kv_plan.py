@@ -20,7 +20,7 @@ class KVPlan:
     max_model_len: int
     kv_args: tuple[int, int, int, int] | None  # KVCache's (num_layers, block_size, num_kv_heads, head_dim); None:
     # the generic path, which recomputes every step and keeps no cache, but whose allocator still bounds context
-    dtype: torch.dtype | None = None  # the cache's: the model's, unless config.kv_cache_dtype names another
+    dtype: torch.dtype | None = None  # the cache's: the model's, or bf16 for a float32 one (config.kv_cache_dtype)
 
 
 def plan_kv_cache(config: EngineConfig, loaded: LoadedModel) -> KVPlan:

@@ -110,8 +110,8 @@ def _attention_kernel(loaded: LoadedModel, kv_cache: KVCache) -> Callable | None
     """The CPU kernel that reads decode steps' keys and values in place, where it serves this cache and model: it
     computes softmax(q.k * scale) over a sequence's whole context, so a model with sliding-window layers or
     soft-capped scores (Gemma 2 and 3, Phi-3-mini; has_plain_attention False) attends in plain matmuls instead."""
+    # The cache holds the model's dtype or, for a float32 model, bf16 (kv_plan.py): the kernel reads both.
     usable = (loaded.device.type == "cpu" and loaded.dtype in (torch.bfloat16, torch.float32)
-              and kv_cache.dtype in (loaded.dtype, torch.bfloat16)  # a bf16 cache serves float32 queries too
               and kv_cache.head_dim % 16 == 0 and loaded.model.has_plain_attention)
     return loaded.kernels.decode_attention if usable else None
 

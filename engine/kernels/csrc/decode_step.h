@@ -57,9 +57,15 @@ at::Tensor defined_or_empty(const at::Tensor& t) { return t.numel() > 0 ? t : at
 
 const float* data(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
-// Floats to bf16 (kernels.h's rounding, torch's; finite values: a cache holds no others).
-void to_bf16(const float* from, uint16_t* to, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) to[i] = round_to_bf16_bits(from[i]);
+// values[0, n) into a cache's row `slot`: as they are in a float32 cache, rounded to bf16 (kernels.h's rounding,
+// torch's, as the eager step's index_copy_ rounds) in a bf16 one.
+void store_row(const at::Tensor& cache, int64_t slot, const float* values, int64_t n) {
+  if (cache.scalar_type() == at::kBFloat16) {
+    uint16_t* row = static_cast<uint16_t*>(cache.data_ptr()) + slot * n;
+    for (int64_t i = 0; i < n; ++i) row[i] = round_to_bf16_bits(values[i]);
+  } else {
+    std::copy(values, values + n, cache.data_ptr<float>() + slot * n);
+  }
 }
 
 class DecodeStep : public torch::CustomClassHolder {
@@ -173,11 +179,11 @@ class DecodeStep : public torch::CustomClassHolder {
     const float* sn = sin.data_ptr<float>();
     const int64_t* slot = slots.data_ptr<int64_t>();
     for (const Layer& layer : layers_) {
-      const bool kv_bf16 = layer.k_cache.scalar_type() == at::kBFloat16;
       const int64_t inter = layer.gate_up.N / 2, qkv_width = layer.qkv.N;
       h_.resize(B * H);
       qkv_.resize(B * qkv_width);
       q_.resize(B * Hq * D);
+      k_rope_.resize(Hkv * D);  // one row's keys after rope, before they go into the cache
       attn_.resize(B * Hq * D);
       gate_up_.resize(B * 2 * inter);
       act_.resize(B * inter);
@@ -194,21 +200,12 @@ class DecodeStep : public torch::CustomClassHolder {
           rms_norm(k, layer.k_norm.data_ptr<float>(), k, Hkv, D);
         }
         for (int64_t h = 0; h < Hq; ++h) rope(row + h * D, cs + b * D, sn + b * D, &q_[(b * Hq + h) * D]);
-        if (kv_bf16) {  // rounded to nearest even, as the eager step's index_copy_ into a bf16 cache rounds
-          uint16_t* k_dst = static_cast<uint16_t*>(layer.k_cache.data_ptr()) + slot[b] * Hkv * D;
-          uint16_t* v_dst = static_cast<uint16_t*>(layer.v_cache.data_ptr()) + slot[b] * Hkv * D;
-          k_rope_.resize(Hkv * D);
-          for (int64_t h = 0; h < Hkv; ++h) rope(k + h * D, cs + b * D, sn + b * D, &k_rope_[h * D]);
-          to_bf16(k_rope_.data(), k_dst, Hkv * D);
-          to_bf16(v, v_dst, Hkv * D);
-        } else {
-          float* k_dst = layer.k_cache.data_ptr<float>() + slot[b] * Hkv * D;
-          float* v_dst = layer.v_cache.data_ptr<float>() + slot[b] * Hkv * D;
-          for (int64_t h = 0; h < Hkv; ++h) rope(k + h * D, cs + b * D, sn + b * D, k_dst + h * D);
-          std::copy(v, v + Hkv * D, v_dst);
-        }
+        for (int64_t h = 0; h < Hkv; ++h) rope(k + h * D, cs + b * D, sn + b * D, &k_rope_[h * D]);
+        store_row(layer.k_cache, slot[b], k_rope_.data(), Hkv * D);
+        store_row(layer.v_cache, slot[b], v, Hkv * D);
       }
-      const AttentionProblem problem{q_.data(), layer.k_cache.data_ptr(), layer.v_cache.data_ptr(), false, kv_bf16,
+      const AttentionProblem problem{q_.data(), layer.k_cache.data_ptr(), layer.v_cache.data_ptr(), false,
+                                     layer.k_cache.scalar_type() == at::kBFloat16,
                                      context.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), B, Hq, D, Hkv,
                                      context.size(1), 1.0f / std::sqrt(static_cast<float>(D)), attn_.data()};
       decode_attention(attention_, problem);

@@ -36,13 +36,13 @@ struct Avx2 {
   static Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
   static float reduce_add(Reg v) { return avx2::reduce_add(v); }
   static float reduce_max(Reg v) { return avx2::reduce_max(v); }
-  // lane i of the result = the sum of v[i]'s 8 lanes: 8 horizontal sums in 7 adds of shuffled pairs.
   // v's low 4 lanes to low[0, n), its high 4 to high[0, n) (n <= 4; high written last where the two are one)
   static void store_half(float* low, float* high, int64_t n, Reg v) {
     const __m128i mask = _mm_cmpgt_epi32(_mm_set1_epi32(static_cast<int>(n)), _mm_setr_epi32(0, 1, 2, 3));
     _mm_maskstore_ps(low, mask, _mm256_castps256_ps128(v));
     _mm_maskstore_ps(high, mask, _mm256_extractf128_ps(v, 1));
   }
+  // lane i of the result = the sum of v[i]'s 8 lanes: 8 horizontal sums in 7 adds of shuffled pairs.
   static Reg sum_each(const Reg (&v)[8]) {
     Reg pairs[4], quads[2];
     for (int i = 0; i < 4; ++i)  // each 128-bit half: v[2i] and v[2i+1]'s lanes {0+2, 1+3} of that half

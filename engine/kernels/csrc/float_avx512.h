@@ -34,14 +34,14 @@ struct Avx512 {
   static Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
   static float reduce_add(Reg v) { return _mm512_reduce_add_ps(v); }
   static float reduce_max(Reg v) { return _mm512_reduce_max_ps(v); }
-  // lane i of the result = the sum of v[i]'s 16 lanes: 16 horizontal sums in 15 adds of shuffled pairs (a
-  // reduce_add each would take 4 shuffles and 4 adds of one register at a time).
   // v's low 8 lanes to low[0, n), its high 8 to high[0, n) (n <= 8; high written last where the two are one)
   static void store_half(float* low, float* high, int64_t n, Reg v) {
     const __mmask8 mask = static_cast<__mmask8>((1u << n) - 1);
     _mm256_mask_storeu_ps(low, mask, _mm512_castps512_ps256(v));
     _mm256_mask_storeu_ps(high, mask, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
   }
+  // lane i of the result = the sum of v[i]'s 16 lanes: 16 horizontal sums in 15 adds of shuffled pairs (a
+  // reduce_add each would take 4 shuffles and 4 adds of one register at a time).
   static Reg sum_each(const Reg (&v)[16]) {
     Reg pairs[8], quads[4], halves[2];
     for (int i = 0; i < 8; ++i)  // 128-bit block b: v[2i] and v[2i+1]'s lanes {0+2, 1+3} of that block
