@@ -165,6 +165,9 @@ class ModelCard(BaseModel):
     weight_bytes: int | None = Field(None, description="Bytes the weights occupy, quantized storage and scales "
                                      "included.")
     weight_ratio_to_bf16: float | None = Field(None, description="weight_bytes over the same weights in bf16.")
+    kv_cache_bytes: int | None = Field(None, description="Bytes of the KV cache's pool, allocated at start.")
+    kv_cache_dtype: str | None = Field(None, description="The dtype keys and values are stored in (--kv-cache-dtype), "
+                                       "e.g. bfloat16; none where the model keeps no cache.")
     compiled_decode: bool | None = Field(None, description="Whether decode steps run under torch.compile (--compile).")
     decode_step: str | None = Field(None, description="native (Tern's C++ decode step), compiled, compiling (the "
                                     "eager step serves until the compiled one is ready) or eager.")

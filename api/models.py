@@ -108,4 +108,6 @@ def _card(context: RouteContext, status: ModelStatus) -> ModelCard:
         decode_step=info.decode_step,
         cpu_kernels=info.cpu_kernels,
         weight_ratio_to_bf16=info.weight_ratio_to_bf16,
+        kv_cache_bytes=info.kv_cache_bytes,
+        kv_cache_dtype=info.kv_cache_dtype,
     ))

@@ -57,7 +57,8 @@ def model_facts(registry: ModelRegistry, model: str | None = None) -> list[list[
         ["Decode step", _decode_step(info)],
         ["CPU kernels", info.cpu_kernels],
         ["Memory", f"{format_bytes(weight_bytes + kv_bytes)} ({format_bytes(weight_bytes)} weights + "
-                   f"{format_bytes(kv_bytes)} KV cache)"],
+                   f"{format_bytes(kv_bytes)} KV cache in {info.kv_cache_dtype})" if kv_bytes else
+                   f"{format_bytes(weight_bytes)} weights (no KV cache: every step recomputes the sequence)"],
         ["Max context", f"{info.max_model_len:,} tokens"],
         ["Max concurrent sequences", str(info.max_num_seqs)],
     ]

@@ -51,6 +51,7 @@ def test_the_served_model_is_listed_and_described(client, model):
     assert card.model_extra["max_model_len"] >= 2048
     assert card.model_extra["quantization"] == "none" and card.model_extra["dtype"] == "float32"
     assert card.model_extra["weight_ratio_to_bf16"] == pytest.approx(2.0, rel=0.01)  # fp32 weights, 2x bf16
+    assert card.model_extra["kv_cache_dtype"] == "float32" and card.model_extra["kv_cache_bytes"] > 0  # --kv-cache-dtype auto
     # fp32 weights without a kernel layout: the compiled step, built before /health said ready.
     assert card.model_extra["decode_step"] == "compiled" and card.model_extra["compiled_decode"] is True
     assert card.model_extra["cpu_kernels"].split(" ")[0] == kernels.planned_path()[0]  # the path this CPU takes

@@ -239,6 +239,7 @@ def test_a_bf16_kv_cache_on_a_float32_model_holds_twice_the_tokens_and_answers_a
     for kv_cache_dtype in ("auto", "bfloat16"):
         engine, _ = tiny_engine_factory(kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=1 << 20)
         assert engine.kv_cache.dtype == (torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.float32)
+        assert engine.info().kv_cache_dtype == str(engine.kv_cache.dtype).removeprefix("torch.")  # what /v1/models says
         blocks[kv_cache_dtype] = engine.kv_cache.num_blocks
         batched = [c.choices[0] for c in engine.generate(prompts, greedy)]
         alone = [engine.generate([p], greedy)[0].choices[0] for p in prompts]

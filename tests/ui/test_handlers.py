@@ -384,6 +384,7 @@ def test_server_tab_describes_the_model_and_the_sdk(registry):
     assert facts["Model id"] == "SmolLM2-135M-Instruct"
     assert facts["Parameters"].startswith("134.5M") and facts["Dtype"] == "float32" and facts["Device"] == "cpu"
     assert facts["Max context"] == "8,192 tokens" and "weights" in facts["Memory"]
+    assert facts["Memory"].endswith("KV cache in float32)")  # the tests' engine keeps the model's dtype
     assert dict(live_stats(registry.handle()))["Running requests"] == "0"
     snippet = openai_snippet(registry.default_id, gr.Request(headers={"host": "localhost:7860"}))
     assert 'base_url="http://localhost:7860/v1"' in snippet and 'model="SmolLM2-135M-Instruct"' in snippet
