@@ -13,12 +13,9 @@ if __name__ == "__main__":
     # Started as a server: no cyclic collection until the app is built (see end_startup_gc_pause). Here, before the
     # imports, which are most of the objects a start creates.
     gc.disable()
-    # torch's CPU allocator backs tensors of 2 MB and up with transparent huge pages (where the kernel offers them
-    # on request: /sys/kernel/mm/transparent_hugepage/enabled `madvise` or `always`), the weights and the KV pool
-    # among them, so streaming the weights each step walks 2 MB pages instead of 4 KB ones. It reads the variable
-    # once, at its first allocation: before torch's import. A 1B-shaped Q4_0 file on 2 Zen 5 cores: one stream
-    # 73-76 tok/s against 67-73, 16 streams 431-435 against 400-420. THP_MEM_ALLOC_ENABLE=0 turns it off.
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    from tern.allocator_env import allocator_env  # before torch's import, which reads it (huge pages)
+
+    os.environ.update(allocator_env())
 
 import logging
 import sys

@@ -148,14 +148,15 @@ def _replicas(name: str, spec, server, board, router, size: dict, scale: ScaleSe
     from ray import serve
 
     from deploy.replica import TernReplica
+    from tern.allocator_env import allocator_env
 
     engine_config = spec.config
     return serve.deployment(TernReplica, name=name).options(
         **size,
         ray_actor_options={
             "num_cpus": scale.num_cpus, "num_gpus": scale.num_gpus,
-            # Read by libgomp when the process starts, before torch.set_num_threads in the replica can act.
-            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(scale.threads_per_replica)}},
+            # Read by libgomp and torch's allocator when the process starts, before the replica's code can act.
+            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(scale.threads_per_replica), **allocator_env()}},
         },
         # Tern's own 429 (--max-waiting) is the limit a client meets: a replica holds its engine's running and
         # waiting requests, and refuses the next at once. Ray's queue in front of the replicas absorbs bursts: every
