@@ -168,6 +168,9 @@ class ModelCard(BaseModel):
     kv_cache_bytes: int | None = Field(None, description="Bytes of the KV cache's pool, allocated at start.")
     kv_cache_dtype: str | None = Field(None, description="The dtype keys and values are stored in (--kv-cache-dtype), "
                                        "e.g. bfloat16; none where the model keeps no cache.")
+    kv_cache_resident: bool | None = Field(None, description="Whether every page of the KV cache's pool is in memory: "
+                                           "on a CPU the pool faults in on a background thread for a second or so "
+                                           "after the model is ready.")
     compiled_decode: bool | None = Field(None, description="Whether decode steps run under torch.compile (--compile).")
     decode_step: str | None = Field(None, description="native (Tern's C++ decode step), compiled, compiling (the "
                                     "eager step serves until the compiled one is ready) or eager.")

@@ -110,4 +110,5 @@ def _card(context: RouteContext, status: ModelStatus) -> ModelCard:
         weight_ratio_to_bf16=info.weight_ratio_to_bf16,
         kv_cache_bytes=info.kv_cache_bytes,
         kv_cache_dtype=info.kv_cache_dtype,
+        kv_cache_resident=info.kv_cache_resident,
     ))

@@ -513,13 +513,20 @@ def _check_plain(kind: str, answer: dict, problems: list[str]) -> dict:
 
 
 async def _wait_idle(base_url: str, timeout_s: float) -> dict[str, float]:
-    """Polls /metrics until nothing runs, waits or holds a KV block; returns the last reading either way."""
+    """Polls /metrics until nothing runs, waits or holds a KV block, and /v1/models until the KV pool is resident
+    (it faults in after start: engine/pool_memory.py); returns the last load reading either way."""
     deadline = time.monotonic() + timeout_s
     while True:
         load = await asyncio.to_thread(engine_load, base_url)
-        if not any(load.values()) or time.monotonic() > deadline:
+        resident = await asyncio.to_thread(_kv_pool_resident, base_url)
+        if (not any(load.values()) and resident) or time.monotonic() > deadline:
             return load
         await asyncio.sleep(0.25)
+
+
+def _kv_pool_resident(base_url: str) -> bool:
+    cards = httpx.get(base_url + "/v1/models", timeout=30).json()["data"]
+    return all(card.get("kv_cache_resident", True) is not False for card in cards)
 
 
 async def _replay(client: httpx.AsyncClient, model: str, records: list[Record], config: SoakConfig) -> None:

@@ -129,6 +129,7 @@ class Engine:
             bf16_weight_bytes=loaded.bf16_weight_bytes,
             kv_cache_bytes=self.kv_cache.num_bytes if self.kv_cache is not None else 0,
             kv_cache_dtype=str(self.kv_cache.dtype).removeprefix("torch.") if self.kv_cache is not None else "none",
+            kv_cache_resident=self.kv_cache is None or self.kv_cache.wait_resident(0),
             cpu_kernels=loaded.kernels.describe() if self.device.type == "cpu" else "none (not a CPU)",
             decode_step=self.runner.decode_step, decode_graphs=self.runner.decode_graphs,
             max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs, max_waiting=self.config.max_waiting)

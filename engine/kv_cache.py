@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
 
 import torch
+
+from engine import pool_memory
 
 
 class BlockAllocator:
@@ -119,15 +122,24 @@ class KVCache:
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device) -> None:
         self.scratch_slot = num_blocks * block_size
         shape = (num_blocks * block_size + 1, num_kv_heads, head_dim)
-        # Written whole now, not left to the OS to zero page by page as first used: the allocator hands blocks out
-        # least recently freed first (the prefix cache's order), so traffic touches the whole pool over time, and a
-        # server whose memory grew by the pool under load looked like a leak (tests/e2e/test_soak.py: +68% RSS).
-        # On this 2-core VM 1 GB takes 0.2 s (transparent huge pages).
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Resident whole soon after start, not left to grow page by page as first used (engine/pool_memory.py
+        # says why); on the CPU by a background thread, so the engine is ready while its pages fault in.
+        if torch.device(device).type == "cpu":
+            self.keys = [pool_memory.zeroed(shape, dtype) for _ in range(num_layers)]
+            self.values = [pool_memory.zeroed(shape, dtype) for _ in range(num_layers)]
+            self._resident = pool_memory.make_resident([*self.keys, *self.values])
+        else:
+            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self._resident = threading.Event()
+            self._resident.set()
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype, self.head_dim = dtype, head_dim
+
+    def wait_resident(self, timeout_s: float | None = None) -> bool:
+        """Block until every page of the pool is in memory; True once it is."""
+        return self._resident.wait(timeout_s)
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return list(zip(self.keys, self.values))

@@ -293,14 +293,17 @@ def test_an_idle_server_leaves_the_cpu_alone(http, live_server):
 
 
 def test_the_server_holds_its_kv_pool_and_weights_in_huge_pages(http, live_server):
-    """app.py asks torch's allocator for transparent huge pages (THP_MEM_ALLOC_ENABLE): the 1 GiB KV pool, written
-    whole at start, and the weights sit in 2 MB pages, which decode steps stream through with 512x fewer page walks.
-    Where the kernel offers them only on request (madvise) nothing else gives them; half the pool leaves room for a
-    fragmented machine's fallback to small pages."""
+    """app.py asks torch's allocator for transparent huge pages (THP_MEM_ALLOC_ENABLE), and the KV pool's own
+    memory follows it: the 1 GiB pool, resident whole soon after start, and the weights sit in 2 MB pages, which
+    decode steps stream through with 512x fewer page walks. Where the kernel offers them only on request (madvise)
+    nothing else gives them; half the pool leaves room for a fragmented machine's fallback to small pages."""
     offered = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not offered.exists() or "[never]" in offered.read_text():
         pytest.skip("this kernel offers no transparent huge pages")
-    [card] = http.get("/v1/models").json()["data"]
+    deadline = time.monotonic() + 120
+    while not (card := http.get("/v1/models").json()["data"][0])["kv_cache_resident"]:
+        assert time.monotonic() < deadline, "the KV pool never became resident"
+        time.sleep(0.2)
     rollup = Path(f"/proc/{SERVER_PIDS[live_server]}/smaps_rollup").read_text()
     huge_kb = next(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("AnonHugePages:"))
     assert huge_kb * 1024 >= card["kv_cache_bytes"] // 2 > 0

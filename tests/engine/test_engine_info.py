@@ -20,8 +20,10 @@ def test_info_describes_the_engine_as_it_runs_on_either_path(default_tokenizer, 
         assert info.weight_bytes == loaded.weight_bytes and 0 < info.weight_ratio_to_bf16
         if model_type == "llama":  # the native path's KV pool, counted in the Server tab's memory
             assert info.kv_cache_bytes == engine.kv_cache.num_bytes > 0 and info.kv_cache_dtype == "float32"
+            assert engine.kv_cache.wait_resident(60) and engine.info().kv_cache_resident
         else:  # the generic path recomputes every step and keeps no cache
             assert engine.kv_cache is None and info.kv_cache_bytes == 0 and info.kv_cache_dtype == "none"
+            assert info.kv_cache_resident  # no pool to wait for
         # The longest context it reports is the one it enforces.
         too_long = list(range(3, 3 + info.max_model_len + 1))
         with pytest.raises(Exception, match="context|length|long"):
