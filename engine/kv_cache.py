@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -124,22 +123,21 @@ class KVCache:
         shape = (num_blocks * block_size + 1, num_kv_heads, head_dim)
         # Resident whole soon after start, not left to grow page by page as first used (engine/pool_memory.py
         # says why); on the CPU by a background thread, so the engine is ready while its pages fault in.
-        if torch.device(device).type == "cpu":
-            self.keys = [pool_memory.zeroed(shape, dtype) for _ in range(num_layers)]
-            self.values = [pool_memory.zeroed(shape, dtype) for _ in range(num_layers)]
-            self._resident = pool_memory.make_resident([*self.keys, *self.values])
-        else:
-            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-            self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-            self._resident = threading.Event()
-            self._resident.set()
+        on_cpu = torch.device(device).type == "cpu"
+
+        def layer() -> torch.Tensor:
+            return pool_memory.zeroed(shape, dtype) if on_cpu else torch.zeros(shape, dtype=dtype, device=device)
+
+        self.keys = [layer() for _ in range(num_layers)]
+        self.values = [layer() for _ in range(num_layers)]
+        self._resident = pool_memory.make_resident([*self.keys, *self.values]) if on_cpu else None  # None: already
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype, self.head_dim = dtype, head_dim
 
     def wait_resident(self, timeout_s: float | None = None) -> bool:
         """Block until every page of the pool is in memory; True once it is."""
-        return self._resident.wait(timeout_s)
+        return self._resident is None or self._resident.wait(timeout_s)
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return list(zip(self.keys, self.values))

@@ -11,6 +11,7 @@ Where the kernel lacks it, the pool is written with zeros at once, as before, wh
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import mmap
@@ -28,7 +29,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros in memory of its own that nothing has touched yet (so takes no time to allocate).
     In 2 MB pages where torch's allocator is asked for them (THP_MEM_ALLOC_ENABLE=1, tern/allocator_env.py):
     this memory does not come from that allocator, so it follows its setting here."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" and hasattr(mmap, "MADV_HUGEPAGE"):
         buffer.madvise(mmap.MADV_HUGEPAGE)
@@ -57,13 +58,18 @@ def make_resident(tensors: list[torch.Tensor]) -> threading.Event:
     return resident
 
 
+@functools.cache
+def _madvise():
+    """libc's madvise(addr, length, advice); a ctypes call lets go of the GIL while it runs."""
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
 def _populate(tensor: torch.Tensor, first_page_only: bool = False) -> bool:
-    """MADV_POPULATE_WRITE over the tensor's memory; ctypes lets go of the GIL for the call. False where the
-    kernel refuses it (before 5.14: EINVAL)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    """MADV_POPULATE_WRITE over the tensor's memory. False where the kernel refuses it (before 5.14: EINVAL)."""
     length = mmap.PAGESIZE if first_page_only else tensor.numel() * tensor.element_size()
-    if libc.madvise(tensor.data_ptr(), length, _MADV_POPULATE_WRITE) == 0:
+    if _madvise()(tensor.data_ptr(), length, _MADV_POPULATE_WRITE) == 0:
         return True
     logger.info("the kernel cannot populate the KV pool's pages (errno %d): writing it whole now", ctypes.get_errno())
     return False
