@@ -22,6 +22,11 @@ namespace tern {
 
 constexpr int kTileRows = 8;  // activation rows sharing each weight load
 
+// What a pass of a K-quant pair loop (q4k, q6k) does with its weights' decoded form: decode them and keep them for
+// the passes over the next rows (kKeep), decode them with no pass to follow (kDecode: one tile of rows, where the
+// stores would only cost), or load what the first pass kept (kLoad).
+enum class Decoding { kKeep, kDecode, kLoad };
+
 template <int64_t kCols, int64_t kExtraBytes>
 struct TileLayout {
   static constexpr int64_t kRowBytes = kCols + 4 + kExtraBytes;  // one row's part of a unit

@@ -22,6 +22,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
+#include <vector>
 
 namespace tern {
 namespace {
@@ -152,53 +154,105 @@ void groups(const Int4Problem& p, int64_t g0, int64_t g1) {
   if (paired_end < g1) kQ4 ? q4_groups_avx2(p, paired_end, g1) : int4_groups_avx2(p, paired_end, g1);
 }
 
+// q4k's activations per super-block: SuperBlockTiles' int16 sums of each 32, then the same times 8 (int16 pairs),
+// then -8 times them as int32s (the integer each sub-block's dot starts from).
+using Q4KTiles = TileLayout<kQ4KSuperCols, 64>;
+
+inline const uint8_t* q4k_tiles(const QuantizedRows& q, int64_t m0, int64_t M) {
+  return Q4KTiles::interleave(q, m0, M, [&](int64_t row, int64_t s, uint8_t* out) {
+    const int16_t* sums = q.sums32 + row * (q.K / kInt4GroupCols) + s * 8;
+    std::memcpy(out, sums, 16);
+    for (int j = 0; j < 8; ++j) {
+      const int16_t eight = static_cast<int16_t>(8 * sums[j]);  // |sum| <= 32 * 127, so 8 times it fits int16
+      const int32_t start = -8 * sums[j];
+      std::memcpy(out + 16 + 2 * j, &eight, 2);
+      std::memcpy(out + 32 + 4 * j, &start, 4);
+    }
+  });
+}
+
+// A pair of groups' super-block as q4k_rows multiplies it: the first pass over the pair (its first rows) decodes
+// it from the layout and keeps it here; the passes for the other rows load it. With many rows most of the loop's
+// vector instructions besides vpdpbusd were this decoding (splitting nibbles, the 6-bit scales and minimums), and
+// on a CPU whose 512-bit integer work all issues on the two ports vpdpbusd uses (Intel's), each of them cost half a
+// vpdpbusd; a load costs none of those ports.
+struct Q4KDecoded {
+  __m512i nibbles[8][4][2];  // per sub-block j and register r, the low and the high nibbles as bytes
+  __m512i scale[8];          // s_j in the low 16 bits of each row's lane
+  __m512i scale_pairs[4];    // s_2k | s_2k+1 << 16
+  __m512i minimum_pairs[4];  // m_2k | m_2k+1 << 16
+  __m512 d, negative_dmin;
+};
+
 // q4k (kernels.h: llama.cpp's Q4_K x Q8_K): out[m, rows n0..n0 + 16 * NP - 1] for rows R0..R0 + R - 1 of a tile
-// of MB activation rows (first row m0, at `tile`) against NP pairs of groups from wa (as pair_rows).
-// Per super-block two passes: the dots, each row's isum += s_j * dot_j in integers and one float step; then the
-// minimums, msum = sum_j m_j * sums32_j as vpmaddwd over int16 pairs, and the second float step. The results wait
-// in memory during the dots, which leaves registers for 8 (row, pair) dots and sums.
-template <int MB, int R0, int R, int NP, bool kPrefetch>
-inline void q4k_rows(const Q4KProblem& p, const uint8_t* tile, const uint8_t* wa, int64_t m0, int64_t n0) {
+// of MB activation rows (first row m0, at `tile`) against NP pairs of groups from wa (as pair_rows); decoded: their
+// super-blocks decoded (NP x q.blocks), as kDecoding says.
+// Per super-block: each sub-block's dot starts at -8 * sum_j, so it ends at sum((q - 8) * xq), which fits int16
+// (at most 32 * 8 * 127); with s_j in the low half of each lane (the high half 0) one vpdpwssd adds s_j * dot, and
+// per pair of sub-blocks another adds the 8 * s_j * sum_j this leaves out, against the sums times 8, so isum ends
+// at the integer sum_j s_j * dot_j; one float step. Then the minimums, msum = sum_j m_j * sums32_j, and the second
+// float step. The results wait in memory during the dots, which leaves registers for 8 (row, pair) dots and sums.
+template <int MB, int R0, int R, int NP, Decoding kDecoding>
+inline void q4k_rows(const Q4KProblem& p, const uint8_t* tile, const uint8_t* wa, int64_t m0, int64_t n0,
+                     Q4KDecoded* decoded) {
   const QuantizedRows& q = *p.x;  // blocks of 256: q.blocks super-blocks
   const int64_t group_stride = q.blocks * kQ4KSuperBytes;
   const __m512i low = _mm512_set1_epi8(0x0F), fifteen = _mm512_set1_epi32(15), three = _mm512_set1_epi32(3);
+  constexpr bool kFirst = kDecoding != Decoding::kLoad, kKeep = kDecoding == Decoding::kKeep;
   alignas(64) float result[NP][R][16] = {};
   for (int64_t s = 0; s < q.blocks; ++s) {
-    const SuperBlockTiles::Unit<MB> x(tile, s);
+    const Q4KTiles::Unit<MB> x(tile, s);
     const uint8_t* sa[NP];
     const uint8_t* sb[NP];
+    Q4KDecoded* w[NP];
     __m512i top[NP], isum[R][NP];
     for (int pr = 0; pr < NP; ++pr) {
       sa[pr] = wa + 2 * pr * group_stride + s * kQ4KSuperBytes;
       sb[pr] = sa[pr] + group_stride;
-      top[pr] = avx512::two_groups(sa[pr] + 32, sb[pr] + 32);  // a row's top bits: s_j at 2j, m_j at 16 + 2j
+      w[pr] = kDecoding == Decoding::kDecode ? nullptr : decoded + pr * q.blocks + s;
+      if constexpr (kFirst) top[pr] = avx512::two_groups(sa[pr] + 32, sb[pr] + 32);  // s_j at 2j, m_j at 16 + 2j
     }
     for (int m = 0; m < R; ++m)
       for (int pr = 0; pr < NP; ++pr) isum[m][pr] = _mm512_setzero_si512();
+    __m512i even_scale[NP];
     for (int j = 0; j < 8; ++j) {
       __m512i scale[NP];
       for (int pr = 0; pr < NP; ++pr) {
-        if constexpr (kPrefetch) {  // 8 steps a super-block; each stream's next group lies 2 * NP - 1 groups on
+        if constexpr (kFirst) {  // 8 steps a super-block; each stream's next group lies 2 * NP - 1 groups on
           const uint8_t* a_end = wa + (2 * pr + 1) * group_stride;
           prefetch_pair_stream<kQ4GroupBytes>(sa[pr] + j * kQ4GroupBytes, a_end, (2 * NP - 1) * group_stride);
           prefetch_pair_stream<kQ4GroupBytes>(sb[pr] + j * kQ4GroupBytes, a_end + group_stride,
                                               (2 * NP - 1) * group_stride);
+          const __m512i lows = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sa[pr] + 64 + 8 * j)),
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb[pr] + 64 + 8 * j))));
+          scale[pr] = _mm512_or_si512(_mm512_and_si512(lows, fifteen), _mm512_slli_epi32(_mm512_and_si512(top[pr], three), 4));
+          top[pr] = _mm512_srli_epi32(top[pr], 2);
+          if constexpr (kKeep) _mm512_store_si512(&w[pr]->scale[j], scale[pr]);
+        } else {
+          scale[pr] = _mm512_load_si512(&w[pr]->scale[j]);
         }
-        const __m512i lows = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sa[pr] + 64 + 8 * j)),
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb[pr] + 64 + 8 * j))));
-        scale[pr] = _mm512_or_si512(_mm512_and_si512(lows, fifteen), _mm512_slli_epi32(_mm512_and_si512(top[pr], three), 4));
-        top[pr] = _mm512_srli_epi32(top[pr], 2);
       }
       __m512i dot[R][NP];
-      for (int m = 0; m < R; ++m)
-        for (int pr = 0; pr < NP; ++pr) dot[m][pr] = _mm512_setzero_si512();
+      for (int m = 0; m < R; ++m) {
+        const __m512i start = _mm512_set1_epi32(x.template extras<int32_t>(R0 + m)[8 + j]);
+        for (int pr = 0; pr < NP; ++pr) dot[m][pr] = start;
+      }
       for (int r = 0; r < 4; ++r) {
         __m512i lo[NP], hi[NP];
         for (int pr = 0; pr < NP; ++pr) {
-          const __m512i packed = avx512::two_groups(sa[pr] + 128 + 128 * j + 32 * r, sb[pr] + 128 + 128 * j + 32 * r);
-          lo[pr] = _mm512_and_si512(packed, low);
-          hi[pr] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+          if constexpr (kFirst) {
+            const __m512i packed = avx512::two_groups(sa[pr] + 128 + 128 * j + 32 * r, sb[pr] + 128 + 128 * j + 32 * r);
+            lo[pr] = _mm512_and_si512(packed, low);
+            hi[pr] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            if constexpr (kKeep) {
+              _mm512_store_si512(&w[pr]->nibbles[j][r][0], lo[pr]);
+              _mm512_store_si512(&w[pr]->nibbles[j][r][1], hi[pr]);
+            }
+          } else {
+            lo[pr] = _mm512_load_si512(&w[pr]->nibbles[j][r][0]);
+            hi[pr] = _mm512_load_si512(&w[pr]->nibbles[j][r][1]);
+          }
         }
         for (int m = 0; m < R; ++m) {
           const __m512i x_lo = _mm512_set1_epi32(x.x(R0 + m)[8 * j + 2 * r]);
@@ -210,16 +264,48 @@ inline void q4k_rows(const Q4KProblem& p, const uint8_t* tile, const uint8_t* wa
         }
       }
       for (int m = 0; m < R; ++m)
-        for (int pr = 0; pr < NP; ++pr) isum[m][pr] = _mm512_add_epi32(isum[m][pr], _mm512_mullo_epi32(dot[m][pr], scale[pr]));
+        for (int pr = 0; pr < NP; ++pr) isum[m][pr] = _mm512_dpwssd_epi32(isum[m][pr], dot[m][pr], scale[pr]);
+      if (j % 2 == 0) {
+        if constexpr (kFirst)
+          for (int pr = 0; pr < NP; ++pr) even_scale[pr] = scale[pr];
+      } else {
+        for (int pr = 0; pr < NP; ++pr) {
+          __m512i pair;
+          if constexpr (kFirst) {
+            pair = _mm512_or_si512(even_scale[pr], _mm512_slli_epi32(scale[pr], 16));
+            if constexpr (kKeep) _mm512_store_si512(&w[pr]->scale_pairs[j / 2], pair);
+          } else {
+            pair = _mm512_load_si512(&w[pr]->scale_pairs[j / 2]);
+          }
+          for (int m = 0; m < R; ++m)
+            isum[m][pr] = _mm512_dpwssd_epi32(isum[m][pr], pair,
+                                              _mm512_set1_epi32(x.template extras<int32_t>(R0 + m)[4 + j / 2]));
+        }
+      }
     }
     for (int pr = 0; pr < NP; ++pr) {
-      const __m512 d = avx512::two_fp16_rows(sa[pr], sb[pr]);
+      __m512 d, negative_min_scale;
+      __m512i minimum_pairs[4];
+      if constexpr (kFirst) {
+        d = avx512::two_fp16_rows(sa[pr], sb[pr]);
+        negative_min_scale = negative_dmin(sa[pr], sb[pr]);
+        pair_minimums(sa[pr], sb[pr], avx512::two_groups(sa[pr] + 32, sb[pr] + 32), minimum_pairs);
+        if constexpr (kKeep) {
+          w[pr]->d = d;
+          w[pr]->negative_dmin = negative_min_scale;
+          for (int k = 0; k < 4; ++k) w[pr]->minimum_pairs[k] = minimum_pairs[k];
+        }
+      } else {
+        d = w[pr]->d;
+        negative_min_scale = w[pr]->negative_dmin;
+        for (int k = 0; k < 4; ++k) minimum_pairs[k] = w[pr]->minimum_pairs[k];
+      }
       for (int m = 0; m < R; ++m) {
         const __m512 x_scale = _mm512_set1_ps(x.scales()[R0 + m]);
         _mm512_store_ps(result[pr][m], _mm512_add_ps(_mm512_load_ps(result[pr][m]),
                                                      _mm512_mul_ps(_mm512_cvtepi32_ps(isum[m][pr]), _mm512_mul_ps(d, x_scale))));
       }
-      add_pair_minimums<MB, R0, R>(x, sa[pr], sb[pr], avx512::two_groups(sa[pr] + 32, sb[pr] + 32), result[pr]);
+      add_minimums<MB, R0, R>(x, minimum_pairs, negative_min_scale, result[pr]);
     }
   }
   for (int m = 0; m < R; ++m)
@@ -232,10 +318,17 @@ inline void q4k_rows(const Q4KProblem& p, const uint8_t* tile, const uint8_t* wa
 void q4k_pairs_avx512(const Q4KProblem& p, int64_t m0, int64_t g0, int64_t g1) {
   if (g0 + 1 >= g1) return;
   const int64_t group_stride = p.x->blocks * kQ4KSuperBytes;  // 8 rows, all of K
-  const uint8_t* tiles = super_block_tiles(*p.x, m0, p.M);
-  walk_pairs<SuperBlockTiles>(*p.x, m0, p.M, g0, g1, tiles, [&](auto pass, const uint8_t* tile, int64_t m, int64_t g) {
+  const uint8_t* tiles = q4k_tiles(*p.x, m0, p.M);
+  thread_local std::vector<Q4KDecoded> decoded;  // two pairs' super-blocks: 10 KB per 256 columns
+  const bool one_pass = p.M - m0 <= kTileRows;   // one tile, one pass (walk_pairs): nothing to keep
+  if (!one_pass) decoded.resize(2 * p.x->blocks);
+  walk_pairs<Q4KTiles>(*p.x, m0, p.M, g0, g1, tiles, [&](auto pass, const uint8_t* tile, int64_t m, int64_t g) {
     using P = decltype(pass);
-    q4k_rows<P::MB, P::R0, P::R, P::NP, P::kPrefetch>(p, tile, p.w + g * group_stride, m, g * kInt4GroupRows);
+    const uint8_t* w = p.w + g * group_stride;
+    const int64_t n0 = g * kInt4GroupRows;
+    if (!P::kPrefetch) q4k_rows<P::MB, P::R0, P::R, P::NP, Decoding::kLoad>(p, tile, w, m, n0, decoded.data());
+    else if (one_pass) q4k_rows<P::MB, P::R0, P::R, P::NP, Decoding::kDecode>(p, tile, w, m, n0, nullptr);
+    else q4k_rows<P::MB, P::R0, P::R, P::NP, Decoding::kKeep>(p, tile, w, m, n0, decoded.data());
   });
 }
 
