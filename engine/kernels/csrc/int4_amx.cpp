@@ -38,6 +38,25 @@ namespace {
 
 using amx::kTileRows;
 using amx::TileShape;
+
+// The minimums' pass (kquant_minimums_avx512.h) for a tile of MB rows m0.. that reads the activations' sums and
+// scales from the rows themselves, not from activation_tiles.h's tiles; super-block s.
+template <int MB>
+inline void add_row_minimums(const QuantizedRows& q, int64_t m0, int64_t s, const uint8_t* sa, const uint8_t* sb,
+                             __m512i top_bits, float (*result)[16]) {
+  __m512i pairs[4];
+  pair_minimums(sa, sb, top_bits, pairs);
+  const __m512 minus_dmin = negative_dmin(sa, sb);
+  const int64_t per_row = q.K / kInt4GroupCols;
+  for (int m = 0; m < MB; ++m) {
+    const int32_t* sums = reinterpret_cast<const int32_t*>(q.sums32 + (m0 + m) * per_row + s * 8);  // int16 pairs
+    __m512i msum = _mm512_madd_epi16(pairs[0], _mm512_set1_epi32(sums[0]));
+    for (int k = 1; k < 4; ++k) msum = _mm512_dpwssd_epi32(msum, pairs[k], _mm512_set1_epi32(sums[k]));
+    const __m512 x_scale = _mm512_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
+    _mm512_store_ps(result[m], _mm512_add_ps(_mm512_load_ps(result[m]),
+        _mm512_mul_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(minus_dmin, x_scale))));
+  }
+}
 using amx::WeightBytes;
 
 constexpr int64_t kBlockTileBytes = 8 * 64;  // tile B: a block's 16 weight rows x 32 columns as bytes
@@ -130,7 +149,7 @@ void q4k_sub_block_tile(const Q4KProblem& p, int64_t m0, const uint8_t* wa, cons
         _mm512_store_ps(result[m], _mm512_add_ps(_mm512_load_ps(result[m]), scaled));
         isum[m] = _mm512_setzero_si512();
       }
-      add_pair_minimums<kTileRows>(q, m0, s, sa, sb, avx512::two_groups(sa + 32, sb + 32), result);
+      add_row_minimums<kTileRows>(q, m0, s, sa, sb, avx512::two_groups(sa + 32, sb + 32), result);
     }
   });
   for (int m = 0; m < kTileRows; ++m)
@@ -199,7 +218,7 @@ void q4k_tile(const Q4KProblem& p, int64_t m0, const uint8_t* wa, const uint8_t*
       _mm512_store_ps(result[m], _mm512_add_ps(_mm512_load_ps(result[m]),
                                                _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, x_scale))));
     }
-    add_pair_minimums<kTileRows>(q, m0, s, sa, sb, avx512::two_groups(sa + 32, sb + 32), result);
+    add_row_minimums<kTileRows>(q, m0, s, sa, sb, avx512::two_groups(sa + 32, sb + 32), result);
   };
   if (unpack) unpack_step(0);
   for (int64_t t = 0; t < steps + 4; ++t) {
@@ -269,7 +288,7 @@ void q4_tile(const Q4Problem& p, int64_t m0, const uint8_t* wa, const uint8_t* w
 
 void q4k_groups_amx(const Q4KProblem& p, int64_t g0, int64_t g1) {
   const int64_t group_stride = p.x->blocks * kQ4KSuperBytes;
-  if (p.M < 2 * kTileRows)  // one tile of activation rows: by sub-block (see the header)
+  if (p.M < 2 * amx::kTileRows)  // one tile of activation rows: by sub-block (see the header)
     return amx::groups(p, g0, g1, group_stride, q4k_sub_block_tile, q4k_pairs_avx512, q4k_groups_avx2, kBlockTiles);
   amx::groups(p, g0, g1, group_stride, q4k_tile, q4k_pairs_avx512, q4k_groups_avx2, kScalePartTiles);
 }

@@ -59,6 +59,18 @@ def test_every_path_this_cpu_supports_builds_and_loads(path):
     assert kernels.kernels_for(path, default_cache_dir()).path == path
 
 
+@pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler")
+@pytest.mark.parametrize("source", sorted(build.KERNEL_SOURCES))
+def test_every_kernel_source_compiles_for_its_instruction_set_on_any_cpu(source):
+    """A path's library is every source of its instruction sets, so one that does not compile puts every CPU of
+    that path on `off`; the compiler checks a source on any CPU, so this catches a path this machine cannot run
+    (the AMX kernels once stopped compiling, unseen on machines without AMX)."""
+    flags = build.ISA_FLAGS[build.KERNEL_SOURCES[source]]
+    compiled = subprocess.run([build.compiler(), *build.COMMON_FLAGS, *flags, "-fsyntax-only", str(build.CSRC / source)],
+                              capture_output=True, text=True, timeout=600)
+    assert compiled.returncode == 0, compiled.stderr[-3000:]
+
+
 def test_an_unknown_path_is_named_and_the_best_one_taken(monkeypatch):
     monkeypatch.setenv(kernels.ENV_VAR, "neon")
     path, why = kernels.planned_path()
