@@ -32,13 +32,23 @@ namespace {
 // the time at 64 and 256 rows, the same at 32, 1.02-1.09x at 16 (a 1B model's q4 layers, 2-core Zen 5 VM).
 constexpr int64_t kQuadMinRows = 64;
 
+// A pair of groups' block of 32 columns as pair_rows multiplies it (q4k_rows' Q4KDecoded says why).
+struct Per32Decoded {
+  __m512i nibbles[4][2];  // per register j, the low and the high nibbles as bytes
+  __m512 d, minimum;      // int4's minimums; q4 has none
+};
+
 // out[m, rows n0..n0 + 16 * NP - 1] for rows R0..R0 + R - 1 of a tile of MB activation rows (first row m0, at
 // `tile`) against NP pairs of groups from wa (rows n0..n0+7; each next group one group_stride on); kQ4: the q4
 // layout (no minimums), else int4. kPrefetch: this pass is the first over these weights; the later passes find
 // them in cache, and their prefetches only took issue slots (the same time at 16 and 256 rows without them).
-template <bool kQ4, int MB, int R0, int R, int NP, bool kPrefetch>
-inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* tile, const uint8_t* wa, int64_t n0) {
+// decoded: the blocks of the NP pairs as the loop multiplies them (Per32Decoded, NP x q.blocks), as kDecoding says
+// (q4k_rows says why).
+template <bool kQ4, int MB, int R0, int R, int NP, Decoding kDecoding>
+inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* tile, const uint8_t* wa, int64_t n0,
+                      Per32Decoded* decoded) {
   constexpr int64_t kBytes = kQ4 ? kQ4GroupBytes : kInt4GroupBytes;
+  constexpr bool kPrefetch = kDecoding != Decoding::kLoad, kKeep = kDecoding == Decoding::kKeep;
   const QuantizedRows& q = *p.x;
   const int64_t group_stride = q.blocks * kBytes;
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -48,9 +58,11 @@ inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* tile, con
   for (int64_t c = 0; c < q.blocks; ++c) {
     const uint8_t* ca[NP];
     const uint8_t* cb[NP];
+    Per32Decoded* w[NP];
     for (int pr = 0; pr < NP; ++pr) {
       ca[pr] = wa + 2 * pr * group_stride + c * kBytes;
       cb[pr] = ca[pr] + group_stride;
+      w[pr] = kDecoding == Decoding::kDecode ? nullptr : decoded + pr * q.blocks + c;
       if constexpr (kPrefetch) {
         // Each stream's next bytes after its group lie 2 * NP - 1 groups on (the next pass over NP pairs).
         const uint8_t* a_end = wa + (2 * pr + 1) * group_stride;
@@ -66,9 +78,18 @@ inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* tile, con
     for (int j = 0; j < 4; ++j) {
       __m512i lo[NP], hi[NP];
       for (int pr = 0; pr < NP; ++pr) {
-        const __m512i packed = avx512::two_groups(ca[pr] + 32 * j, cb[pr] + 32 * j);
-        lo[pr] = _mm512_and_si512(packed, low);
-        hi[pr] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        if constexpr (kPrefetch) {
+          const __m512i packed = avx512::two_groups(ca[pr] + 32 * j, cb[pr] + 32 * j);
+          lo[pr] = _mm512_and_si512(packed, low);
+          hi[pr] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+          if constexpr (kKeep) {
+            _mm512_store_si512(&w[pr]->nibbles[j][0], lo[pr]);
+            _mm512_store_si512(&w[pr]->nibbles[j][1], hi[pr]);
+          }
+        } else {
+          lo[pr] = _mm512_load_si512(&w[pr]->nibbles[j][0]);
+          hi[pr] = _mm512_load_si512(&w[pr]->nibbles[j][1]);
+        }
       }
       for (int m = 0; m < R; ++m) {
         const __m512i x_lo = _mm512_set1_epi32(x.x(R0 + m)[2 * j]);
@@ -80,12 +101,24 @@ inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* tile, con
       }
     }
     for (int pr = 0; pr < NP; ++pr) {
-      const __m512 d = avx512::two_fp16_rows(ca[pr] + 128, cb[pr] + 128);
+      __m512 d;
+      if constexpr (kPrefetch) {
+        d = avx512::two_fp16_rows(ca[pr] + 128, cb[pr] + 128);
+        if constexpr (kKeep) w[pr]->d = d;
+      } else {
+        d = w[pr]->d;
+      }
       for (int m = 0; m < R; ++m)
         acc[m][pr] = _mm512_add_ps(acc[m][pr], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m][pr]),
                                                              _mm512_mul_ps(d, _mm512_set1_ps(x.scales()[R0 + m]))));
       if constexpr (!kQ4) {
-        const __m512 minimum = avx512::two_fp16_rows(ca[pr] + 144, cb[pr] + 144);
+        __m512 minimum;
+        if constexpr (kPrefetch) {
+          minimum = avx512::two_fp16_rows(ca[pr] + 144, cb[pr] + 144);
+          if constexpr (kKeep) w[pr]->minimum = minimum;
+        } else {
+          minimum = w[pr]->minimum;
+        }
         for (int m = 0; m < R; ++m)
           acc[m][pr] = _mm512_add_ps(acc[m][pr], _mm512_mul_ps(minimum, _mm512_set1_ps(x.template extras<float>(R0 + m)[1])));
       }
@@ -140,9 +173,16 @@ void pairs(const Int4Problem& p, int64_t m0, int64_t g0, int64_t g1) {
   if (g0 + 1 >= g1) return;
   const int64_t group_stride = p.x->blocks * (kQ4 ? kQ4GroupBytes : kInt4GroupBytes);  // 8 rows, all of K
   const uint8_t* tiles = per32_tiles(*p.x, m0, p.M, kQ4 ? -8 : 0);
+  thread_local std::vector<Per32Decoded> decoded;  // two pairs' blocks: 1.2 KB per 32 columns
+  const bool one_pass = p.M - m0 <= kTileRows;     // one tile, one pass (walk_pairs): nothing to keep
+  if (!one_pass) decoded.resize(2 * p.x->blocks);
   walk_pairs<Per32Tiles>(*p.x, m0, p.M, g0, g1, tiles, [&](auto pass, const uint8_t* tile, int64_t m, int64_t g) {
     using P = decltype(pass);
-    pair_rows<kQ4, P::MB, P::R0, P::R, P::NP, P::kPrefetch>(p, m, tile, p.w + g * group_stride, g * kInt4GroupRows);
+    const uint8_t* w = p.w + g * group_stride;
+    const int64_t n0 = g * kInt4GroupRows;
+    if (!P::kPrefetch) pair_rows<kQ4, P::MB, P::R0, P::R, P::NP, Decoding::kLoad>(p, m, tile, w, n0, decoded.data());
+    else if (one_pass) pair_rows<kQ4, P::MB, P::R0, P::R, P::NP, Decoding::kDecode>(p, m, tile, w, n0, nullptr);
+    else pair_rows<kQ4, P::MB, P::R0, P::R, P::NP, Decoding::kKeep>(p, m, tile, w, n0, decoded.data());
   });
 }
 
