@@ -171,6 +171,9 @@ class ModelCard(BaseModel):
     kv_cache_resident: bool | None = Field(None, description="Whether every page of the KV cache's pool is in memory: "
                                            "on a CPU the pool faults in on a background thread for a second or so "
                                            "after the model is ready.")
+    weights_settled: bool | None = Field(None, description="Whether the weights' move into huge pages after start "
+                                         "has ended (or none was due): on a CPU the weights load in 4 KB pages and a "
+                                         "background thread collapses them into 2 MB ones after the pool is resident.")
     compiled_decode: bool | None = Field(None, description="Whether decode steps run under torch.compile (--compile).")
     decode_step: str | None = Field(None, description="native (Tern's C++ decode step), compiled, compiling (the "
                                     "eager step serves until the compiled one is ready) or eager.")

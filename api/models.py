@@ -111,4 +111,5 @@ def _card(context: RouteContext, status: ModelStatus) -> ModelCard:
         kv_cache_bytes=info.kv_cache_bytes,
         kv_cache_dtype=info.kv_cache_dtype,
         kv_cache_resident=info.kv_cache_resident,
+        weights_settled=info.weights_settled,
     ))

@@ -114,7 +114,7 @@ class Server:
                                         stdout=self.log, stderr=subprocess.STDOUT,
                                         env={**os.environ, "TERN_LOG_LEVEL": "info"})
         self.ready_s = self._wait_ready()
-        self._wait_kv_pool_resident()  # Tern's pool faults in just after ready: its memory counts here
+        self._wait_memory_settled()  # Tern's pool faults in just after ready: its memory counts here
         self.at_ready = memory_mb(self.process.pid)  # VmHWM now: the peak of loading, before any request
 
     def _wait_ready(self) -> float:
@@ -132,11 +132,13 @@ class Server:
             time.sleep(0.25)
         raise SystemExit(f"not ready after 1800 s; see {self.log.name}")
 
-    def _wait_kv_pool_resident(self) -> None:
+    def _wait_memory_settled(self) -> None:
+        """Tern's KV pool resident and its weights moved into huge pages (both after ready, in the background)."""
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             card = httpx.get(f"{self.base}/v1/models", timeout=5).json()["data"][0]
-            if card.get("kv_cache_resident", True):  # llama-server's cards have no such field
+            # llama-server's cards have no such fields
+            if card.get("kv_cache_resident", True) and card.get("weights_settled", True):
                 return
             time.sleep(0.1)
 

@@ -518,15 +518,16 @@ async def _wait_idle(base_url: str, timeout_s: float) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
     while True:
         load = await asyncio.to_thread(engine_load, base_url)
-        resident = await asyncio.to_thread(_kv_pool_resident, base_url)
+        resident = await asyncio.to_thread(_memory_settled, base_url)
         if (not any(load.values()) and resident) or time.monotonic() > deadline:
             return load
         await asyncio.sleep(0.25)
 
 
-def _kv_pool_resident(base_url: str) -> bool:
+def _memory_settled(base_url: str) -> bool:
     cards = httpx.get(base_url + "/v1/models", timeout=30).json()["data"]
-    return all(card.get("kv_cache_resident", True) is not False for card in cards)
+    return all(card.get("kv_cache_resident", True) is not False and card.get("weights_settled", True) is not False
+               for card in cards)
 
 
 async def _replay(client: httpx.AsyncClient, model: str, records: list[Record], config: SoakConfig) -> None:

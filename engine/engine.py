@@ -12,7 +12,7 @@ import time
 import uuid
 import weakref
 
-from engine import pooling, scoring
+from engine import huge_pages, pooling, scoring
 from engine.admission import SequenceFactory, validate_request
 from engine.config import EngineConfig, batched_tokens_for
 from engine.decode.decode_path import build_runner
@@ -77,7 +77,8 @@ class Engine:
             raise setup_failure[0]
 
     def _setup(self, loaded: LoadedModel | None) -> None:
-        self.loaded = loaded or load_leaving_a_core(self.config)
+        with huge_pages.small_pages_while_loading() as deferred:
+            self.loaded = loaded or load_leaving_a_core(self.config)
         model, hf_config = self.loaded.model, self.loaded.hf_config
         self.device, self.dtype = self.loaded.device, self.loaded.dtype
         self.model_name = self.loaded.name
@@ -94,6 +95,10 @@ class Engine:
         if plan.kv_args is not None:
             self.kv_cache = KVCache(plan.kv_args[0], plan.num_blocks, *plan.kv_args[1:], plan.dtype, self.device)
             model.build_rope_tables(plan.max_model_len, self.device, self.dtype)
+        # The weights into huge pages once the pool has faulted in (engine/huge_pages.py): after this, off the start.
+        self._weights_settled = (huge_pages.collapse_in_background(huge_pages.weight_tensors(model),
+                                                                   after=self.kv_cache and self.kv_cache.wait_resident)
+                                 if deferred and loaded is None else None)
         self.allocator = BlockAllocator(plan.num_blocks)
         self.runner = build_runner(self.config, self.loaded, self.kv_cache, self.allocator, self.max_model_len,
                                    self._inbox.wake)
@@ -130,6 +135,7 @@ class Engine:
             kv_cache_bytes=self.kv_cache.num_bytes if self.kv_cache is not None else 0,
             kv_cache_dtype=str(self.kv_cache.dtype).removeprefix("torch.") if self.kv_cache is not None else "none",
             kv_cache_resident=self.kv_cache is None or self.kv_cache.wait_resident(0),
+            weights_settled=self._weights_settled is None or self._weights_settled.is_set(),
             cpu_kernels=loaded.kernels.describe() if self.device.type == "cpu" else "none (not a CPU)",
             decode_step=self.runner.decode_step, decode_graphs=self.runner.decode_graphs,
             max_model_len=self.max_model_len, max_num_seqs=self.config.max_num_seqs, max_waiting=self.config.max_waiting)

@@ -22,6 +22,7 @@ class EngineInfo:
     kv_cache_bytes: int  # 0 on the generic path, which keeps no cache
     kv_cache_dtype: str  # the dtype keys and values are stored in (--kv-cache-dtype); "none" without a cache
     kv_cache_resident: bool  # every page of the pool in memory (a CPU pool faults in for a second or so after start)
+    weights_settled: bool  # the weights' move into huge pages after start (engine/huge_pages.py) ended, or none was due
     cpu_kernels: str  # the CPU kernel path and what serves each kind of work; "none (not a CPU)" elsewhere
     decode_step: str  # native, compiled, compiling (eager serves until the compiled step is ready) or eager
     decode_graphs: bool  # decode steps replay captured CUDA graphs

@@ -11,14 +11,14 @@ Where the kernel lacks it, the pool is written with zeros at once, as before, wh
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import math
 import mmap
-import os
 import threading
 
 import torch
+
+from engine.huge_pages import libc_madvise, requested as huge_pages_requested
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     this memory does not come from that allocator, so it follows its setting here."""
     nbytes = math.prod(shape) * dtype.itemsize
     buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" and hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge_pages_requested():
         buffer.madvise(mmap.MADV_HUGEPAGE)
     # The tensor holds the buffer (its storage keeps the exported view): the mapping lives as long as the tensor.
     return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
@@ -58,18 +58,10 @@ def make_resident(tensors: list[torch.Tensor]) -> threading.Event:
     return resident
 
 
-@functools.cache
-def _madvise():
-    """libc's madvise(addr, length, advice); a ctypes call lets go of the GIL while it runs."""
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return madvise
-
-
 def _populate(tensor: torch.Tensor, first_page_only: bool = False) -> bool:
     """MADV_POPULATE_WRITE over the tensor's memory. False where the kernel refuses it (before 5.14: EINVAL)."""
     length = mmap.PAGESIZE if first_page_only else tensor.numel() * tensor.element_size()
-    if _madvise()(tensor.data_ptr(), length, _MADV_POPULATE_WRITE) == 0:
+    if libc_madvise()(tensor.data_ptr(), length, _MADV_POPULATE_WRITE) == 0:
         return True
     logger.info("the kernel cannot populate the KV pool's pages (errno %d): writing it whole now", ctypes.get_errno())
     return False

@@ -301,8 +301,8 @@ def test_the_server_holds_its_kv_pool_and_weights_in_huge_pages(http, live_serve
     if not offered.exists() or "[never]" in offered.read_text():
         pytest.skip("this kernel offers no transparent huge pages")
     deadline = time.monotonic() + 120
-    while not (card := http.get("/v1/models").json()["data"][0])["kv_cache_resident"]:
-        assert time.monotonic() < deadline, "the KV pool never became resident"
+    while not ((card := http.get("/v1/models").json()["data"][0])["kv_cache_resident"] and card["weights_settled"]):
+        assert time.monotonic() < deadline, "the KV pool never became resident, or the weights never settled"
         time.sleep(0.2)
     rollup = Path(f"/proc/{SERVER_PIDS[live_server]}/smaps_rollup").read_text()
     huge_kb = next(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("AnonHugePages:"))

@@ -18,6 +18,7 @@ def test_info_describes_the_engine_as_it_runs_on_either_path(default_tokenizer, 
         assert (info.max_num_seqs, info.max_waiting) == (4, 7)
         assert info.decode_step == engine.runner.decode_step and info.device == "cpu" and info.dtype == "float32"
         assert info.weight_bytes == loaded.weight_bytes and 0 < info.weight_ratio_to_bf16
+        assert info.weights_settled  # loaded before the engine: no move into huge pages is due
         if model_type == "llama":  # the native path's KV pool, counted in the Server tab's memory
             assert info.kv_cache_bytes == engine.kv_cache.num_bytes > 0 and info.kv_cache_dtype == "float32"
             assert engine.kv_cache.wait_resident(60) and engine.info().kv_cache_resident
