@@ -6,6 +6,8 @@ THP_MEM_ALLOC_ENABLE=1: tensors of 2 MB and up (the weights, the KV pool) in tra
 kernel offers them on request (/sys/kernel/mm/transparent_hugepage/enabled `madvise` or `always`), so each decode
 step streams the weights through 2 MB pages instead of 4 KB ones. A 1B-shaped Q4_0 file on 2 Zen 5 cores: one
 stream 73-76 tok/s against 67-73, 16 streams 431-435 against 400-420. An operator's own value wins (=0: off).
+The weights are written in 4 KB pages and moved into huge ones after start (engine/huge_pages.py): their huge
+pages fault in slowly on some VMs.
 """
 from __future__ import annotations
 
