@@ -27,6 +27,18 @@ constexpr int kTileRows = 8;  // activation rows sharing each weight load
 // stores would only cost), or load what the first pass kept (kLoad).
 enum class Decoding { kKeep, kDecode, kLoad };
 
+// One value of a pass's decoded weights: decode() on the first pass (kept in *slot where kKeep), *slot after.
+template <Decoding kDecoding, typename T, typename Decode>
+inline T decoded_value(T* slot, Decode decode) {
+  if constexpr (kDecoding == Decoding::kLoad) {
+    return *slot;
+  } else {
+    const T value = decode();
+    if constexpr (kDecoding == Decoding::kKeep) *slot = value;
+    return value;
+  }
+}
+
 template <int64_t kCols, int64_t kExtraBytes>
 struct TileLayout {
   static constexpr int64_t kRowBytes = kCols + 4 + kExtraBytes;  // one row's part of a unit

@@ -62,7 +62,7 @@ inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* tile, con
     for (int pr = 0; pr < NP; ++pr) {
       ca[pr] = wa + 2 * pr * group_stride + c * kBytes;
       cb[pr] = ca[pr] + group_stride;
-      w[pr] = kDecoding == Decoding::kDecode ? nullptr : decoded + pr * q.blocks + c;
+      w[pr] = decoded + pr * q.blocks + c;
       if constexpr (kPrefetch) {
         // Each stream's next bytes after its group lie 2 * NP - 1 groups on (the next pass over NP pairs).
         const uint8_t* a_end = wa + (2 * pr + 1) * group_stride;
@@ -101,24 +101,13 @@ inline void pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* tile, con
       }
     }
     for (int pr = 0; pr < NP; ++pr) {
-      __m512 d;
-      if constexpr (kPrefetch) {
-        d = avx512::two_fp16_rows(ca[pr] + 128, cb[pr] + 128);
-        if constexpr (kKeep) w[pr]->d = d;
-      } else {
-        d = w[pr]->d;
-      }
+      const __m512 d = decoded_value<kDecoding>(&w[pr]->d, [&] { return avx512::two_fp16_rows(ca[pr] + 128, cb[pr] + 128); });
       for (int m = 0; m < R; ++m)
         acc[m][pr] = _mm512_add_ps(acc[m][pr], _mm512_mul_ps(_mm512_cvtepi32_ps(dot[m][pr]),
                                                              _mm512_mul_ps(d, _mm512_set1_ps(x.scales()[R0 + m]))));
       if constexpr (!kQ4) {
-        __m512 minimum;
-        if constexpr (kPrefetch) {
-          minimum = avx512::two_fp16_rows(ca[pr] + 144, cb[pr] + 144);
-          if constexpr (kKeep) w[pr]->minimum = minimum;
-        } else {
-          minimum = w[pr]->minimum;
-        }
+        const __m512 minimum = decoded_value<kDecoding>(&w[pr]->minimum,
+                                                        [&] { return avx512::two_fp16_rows(ca[pr] + 144, cb[pr] + 144); });
         for (int m = 0; m < R; ++m)
           acc[m][pr] = _mm512_add_ps(acc[m][pr], _mm512_mul_ps(minimum, _mm512_set1_ps(x.template extras<float>(R0 + m)[1])));
       }
@@ -175,13 +164,13 @@ void pairs(const Int4Problem& p, int64_t m0, int64_t g0, int64_t g1) {
   const uint8_t* tiles = per32_tiles(*p.x, m0, p.M, kQ4 ? -8 : 0);
   thread_local std::vector<Per32Decoded> decoded;  // two pairs' blocks: 1.2 KB per 32 columns
   const bool one_pass = p.M - m0 <= kTileRows;     // one tile, one pass (walk_pairs): nothing to keep
-  if (!one_pass) decoded.resize(2 * p.x->blocks);
+  decoded.resize(std::max(decoded.size(), static_cast<size_t>(2 * p.x->blocks)));
   walk_pairs<Per32Tiles>(*p.x, m0, p.M, g0, g1, tiles, [&](auto pass, const uint8_t* tile, int64_t m, int64_t g) {
     using P = decltype(pass);
     const uint8_t* w = p.w + g * group_stride;
     const int64_t n0 = g * kInt4GroupRows;
     if (!P::kPrefetch) pair_rows<kQ4, P::MB, P::R0, P::R, P::NP, Decoding::kLoad>(p, m, tile, w, n0, decoded.data());
-    else if (one_pass) pair_rows<kQ4, P::MB, P::R0, P::R, P::NP, Decoding::kDecode>(p, m, tile, w, n0, nullptr);
+    else if (one_pass) pair_rows<kQ4, P::MB, P::R0, P::R, P::NP, Decoding::kDecode>(p, m, tile, w, n0, decoded.data());
     else pair_rows<kQ4, P::MB, P::R0, P::R, P::NP, Decoding::kKeep>(p, m, tile, w, n0, decoded.data());
   });
 }
@@ -249,7 +238,7 @@ inline void q4k_rows(const Q4KProblem& p, const uint8_t* tile, const uint8_t* wa
     for (int pr = 0; pr < NP; ++pr) {
       sa[pr] = wa + 2 * pr * group_stride + s * kQ4KSuperBytes;
       sb[pr] = sa[pr] + group_stride;
-      w[pr] = kDecoding == Decoding::kDecode ? nullptr : decoded + pr * q.blocks + s;
+      w[pr] = decoded + pr * q.blocks + s;
       if constexpr (kFirst) top[pr] = avx512::two_groups(sa[pr] + 32, sb[pr] + 32);  // s_j at 2j, m_j at 16 + 2j
     }
     for (int m = 0; m < R; ++m)
@@ -361,13 +350,13 @@ void q4k_pairs_avx512(const Q4KProblem& p, int64_t m0, int64_t g0, int64_t g1) {
   const uint8_t* tiles = q4k_tiles(*p.x, m0, p.M);
   thread_local std::vector<Q4KDecoded> decoded;  // two pairs' super-blocks: 10 KB per 256 columns
   const bool one_pass = p.M - m0 <= kTileRows;   // one tile, one pass (walk_pairs): nothing to keep
-  if (!one_pass) decoded.resize(2 * p.x->blocks);
+  decoded.resize(std::max(decoded.size(), static_cast<size_t>(2 * p.x->blocks)));
   walk_pairs<Q4KTiles>(*p.x, m0, p.M, g0, g1, tiles, [&](auto pass, const uint8_t* tile, int64_t m, int64_t g) {
     using P = decltype(pass);
     const uint8_t* w = p.w + g * group_stride;
     const int64_t n0 = g * kInt4GroupRows;
     if (!P::kPrefetch) q4k_rows<P::MB, P::R0, P::R, P::NP, Decoding::kLoad>(p, tile, w, m, n0, decoded.data());
-    else if (one_pass) q4k_rows<P::MB, P::R0, P::R, P::NP, Decoding::kDecode>(p, tile, w, m, n0, nullptr);
+    else if (one_pass) q4k_rows<P::MB, P::R0, P::R, P::NP, Decoding::kDecode>(p, tile, w, m, n0, decoded.data());
     else q4k_rows<P::MB, P::R0, P::R, P::NP, Decoding::kKeep>(p, tile, w, m, n0, decoded.data());
   });
 }

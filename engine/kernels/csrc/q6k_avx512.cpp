@@ -69,7 +69,7 @@ __attribute__((noinline)) void pair_rows(const Q6KProblem& p, const uint8_t* til
   for (int64_t s = 0; s < q.blocks; ++s) {
     const uint8_t* sa = wa + s * kQ6KSuperBytes;
     const uint8_t* sb = wb + s * kQ6KSuperBytes;
-    Q6KDecoded* w = kDecoding == Decoding::kDecode ? nullptr : decoded + s;
+    Q6KDecoded* w = decoded + s;
     const Q6KTiles::Unit<MB> x(tile, s);
     __m512i isum[MB];
     for (int m = 0; m < MB; ++m) isum[m] = _mm512_setzero_si512();
@@ -123,13 +123,7 @@ __attribute__((noinline)) void pair_rows(const Q6KProblem& p, const uint8_t* til
           for (int m = 0; m < MB; ++m) isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(dot[m], scale));
       }
     }
-    __m512 d;
-    if constexpr (kFirst) {
-      d = avx512::two_fp16_rows(sa, sb);
-      if constexpr (kKeep) w->d = d;
-    } else {
-      d = w->d;
-    }
+    const __m512 d = decoded_value<kDecoding>(&w->d, [&] { return avx512::two_fp16_rows(sa, sb); });
     for (int m = 0; m < MB; ++m) {
       const __m512 x_scale = _mm512_set1_ps(x.scales()[m]);
       _mm512_store_ps(result[m], _mm512_add_ps(_mm512_load_ps(result[m]),
@@ -148,7 +142,7 @@ void q6k_pairs_avx512(const Q6KProblem& p, int64_t m0, int64_t g0, int64_t g1) {
   const uint8_t* tiles = q6k_tiles(*p.x, m0, p.M);
   thread_local std::vector<Q6KDecoded> decoded;  // one pair's super-blocks: 5 KB per 256 columns
   const bool one_tile = p.M - m0 <= kTileRows;    // nothing to keep
-  if (!one_tile) decoded.resize(p.x->blocks);
+  decoded.resize(std::max(decoded.size(), static_cast<size_t>(p.x->blocks)));
   for (; g0 + 1 < g1; g0 += 2) {
     const uint8_t* wa = p.w + g0 * group_stride;
     const uint8_t* wb = wa + group_stride;
@@ -157,7 +151,7 @@ void q6k_pairs_avx512(const Q6KProblem& p, int64_t m0, int64_t g0, int64_t g1) {
       constexpr int MB = decltype(rows)::value;
       const uint8_t* tile = tiles + Q6KTiles::tile_bytes(*p.x, m - m0);
       if (m != m0) pair_rows<MB, Decoding::kLoad>(p, tile, wa, wb, m, n0, decoded.data());
-      else if (one_tile) pair_rows<MB, Decoding::kDecode>(p, tile, wa, wb, m, n0, nullptr);
+      else if (one_tile) pair_rows<MB, Decoding::kDecode>(p, tile, wa, wb, m, n0, decoded.data());
       else pair_rows<MB, Decoding::kKeep>(p, tile, wa, wb, m, n0, decoded.data());
     });
   }
