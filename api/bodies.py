@@ -178,7 +178,7 @@ class ModelCard(BaseModel):
     decode_step: str | None = Field(None, description="native (Tern's C++ decode step), compiled, compiling (the "
                                     "eager step serves until the compiled one is ready) or eager.")
     cpu_kernels: str | None = Field(None, description="The CPU kernel path and what serves each kind of work, e.g. "
-                                    "`avx2 (int8: avx2, int4: avx2, bf16: aten, decode attention: avx2)`.")
+                                    "`avx2 (int8: avx2, int4: avx2, bf16: avx2-fma, decode attention: avx2)`.")
 
 
 class ModelList(BaseModel):

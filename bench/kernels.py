@@ -9,8 +9,10 @@ The default stack is one decode step's matmuls of SmolLM2-135M: 30 layers of qkv
 3072x2048, o 2048x2048, gate_up 16384x2048, down 2048x8192; no head), where Q4_K's super-blocks fit, so the 4-bit
 layouts a GGUF's blocks go into (int4, q4 for Q4_0, q4k for Q4_K) are compared on the same nibbles, and q6k (Q6_K:
 a Q4_K_M file's head and half its ffn_down and attn_v) is timed on the same shapes. `rows` is the
-batch (1: one stream, 16: sixteen streams, 256: a prefill step). Every candidate runs on float32 activations, as the engine runs on CPUs without
-AVX512-BF16 (aten's int8pack/int4pack ops are given bf16 activations, their fast case, and converted back).
+batch (1: one stream, 16: sixteen streams, 256: a prefill step). Every candidate but the bf16 ones (the default
+stack's bf16 weights, `--quantization none` in bf16, through Tern's bf16 kernel and aten's bf16 matmul on bf16
+activations) runs on float32 activations, as the engine runs on CPUs without AVX512-BF16 (aten's int8pack/int4pack
+ops are given bf16 activations, their fast case, and converted back).
 Candidates alternate within each repetition; each figure is the median, and tok/s is rows over the stack's time.
 """
 from __future__ import annotations
@@ -101,8 +103,22 @@ def candidates(cpu: kernels.CpuKernels) -> dict[str, callable]:
             return lambda xs: [matmul(xs[k], w) for w, k, matmul in weights]
         return build
 
+    def bf16_weights():
+        return [(torch.randn(n, k) / k**0.5).to(bf16) for n, k in SHAPES]
+
+    def aten_bf16():
+        weights = bf16_weights()
+        return lambda xs: [torch.nn.functional.linear(xs[w.shape[1]].to(bf16), w) for w in weights]
+
+    def tern_bf16():  # `--quantization none` in bf16: the same matmuls in Tern's bf16 kernel
+        weights = [layouts.pack_bf16(w) for w in bf16_weights()]
+        return lambda xs: [cpu.bf16_mm(xs[w.shape[1]].to(bf16), w) for w in weights]
+
     found = {"aten fp32 (F.linear)": aten_fp32, "aten int8pack (bf16 activations)": aten_int8pack,
              "aten int4pack (bf16 activations)": aten_int4pack}
+    if cpu.bf16_mm is not None:
+        found["aten bf16 (F.linear)"] = aten_bf16
+        found[f"Tern bf16 ({cpu.describe().split('bf16: ')[1].split(',')[0]})"] = tern_bf16
     if cpu.q8_mm is not None:
         found[f"Tern q8 ({cpu.path})"] = tern_q8()
     if SHAPES is STACKS["1b"]:  # the 4-bit layouts against each other, and q8 (a Q8_0 file's); no head

@@ -3,8 +3,10 @@
 Paths, best first:
 - `amx`: `avx512`'s kernels, with Intel's AMX tile multiplies where a kernel has them (q8, q4, q4k and q6k, batches of
   16 rows and more), where the CPU has AMX-INT8 and Linux grants the process its tile state;
-- `avx512`: int8 and int4 by AVX512-VNNI, decode attention in 16-float registers, bf16 by AVX512-BF16 where the CPU has it;
-- `avx2`: int8 by vpmaddubsw (the same bits as VNNI), decode attention in 8-float registers;
+- `avx512`: int8 and int4 by AVX512-VNNI, decode attention in 16-float registers, bf16 by AVX512-BF16 where the CPU
+  has it, else by that instruction's arithmetic in fp32 FMAs;
+- `avx2`: int8 by vpmaddubsw (the same bits as VNNI), decode attention in 8-float registers, bf16 in FMAs (the same
+  bits as avx512's FMAs);
 - `off`: aten's own ops (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) and matmul attention.
 TERN_CPU_KERNELS=amx|avx512|avx2|off forces a path (the
 tests run each path the CPU supports); a forced path the CPU lacks falls back to the best it has, with a warning.
@@ -71,18 +73,18 @@ class CpuKernels:
     gguf_repack: Callable | None = None
 
     def describe(self) -> str:
-        """E.g. `avx2 (int8: avx2, int4: avx2, bf16: aten, decode attention: avx2)`."""
+        """E.g. `avx2 (int8: avx2, int4: avx2, bf16: avx2-fma, decode attention: avx2)`."""
         return describe_path(self.path)
 
 
 def describe_path(path: str) -> str:
-    """What serves each kind of work on `path` on this CPU, e.g. `avx2 (int8: avx2, int4: avx2, bf16: aten,
+    """What serves each kind of work on `path` on this CPU, e.g. `avx2 (int8: avx2, int4: avx2, bf16: avx2-fma,
     decode attention: avx2)`; `aten` and `matmul` are torch's own ops."""
     if path == "off":
         parts = {"int8": "aten", "int4": "aten", "q8": "aten", "bf16": "aten", "decode attention": "matmul"}
     else:
         avx512 = path in ("avx512", "amx")
-        bf16 = "avx512-bf16" if avx512 and BF16_FLAG in cpu_flags() else "aten"
+        bf16 = "avx512-bf16" if avx512 and BF16_FLAG in cpu_flags() else ("avx512-fma" if avx512 else "avx2-fma")
         vnni = "avx512-vnni" if avx512 else "avx2"
         parts = {"int8": vnni, "int4": vnni, "q8": vnni, "bf16": bf16, "decode attention": "avx512" if avx512 else path}
         if path == "amx":  # int8 is served by q8's kernel
@@ -174,7 +176,7 @@ def kernels_for(path: str, cache_dir: Path, reason: str = "") -> CpuKernels:
     _load_library(cache_dir)
     ops = torch.ops.tern
     isa = "avx512" if path == "amx" else path  # amx: avx512's ops but q8's, q4's, q4k's and q6k's
-    bf16 = getattr(ops, "bf16_mm_avx512", None) if isa == "avx512" and BF16_FLAG in cpu_flags() else None
+    bf16 = ops.bf16_mm_avx512bf16 if isa == "avx512" and BF16_FLAG in cpu_flags() else getattr(ops, f"bf16_mm_{isa}")
     return CpuKernels(path, reason or "asked for", q8_mm=getattr(ops, f"q8_mm_{path}"),
                       int4_mm=getattr(ops, f"int4_mm_{isa}"), q4_mm=getattr(ops, f"q4_mm_{path}"),
                       q4k_mm=getattr(ops, f"q4k_mm_{path}") if path != "avx2" else None,
@@ -236,8 +238,8 @@ def _register_fakes() -> None:
 
     for names, shape in ((("q8_mm_avx2", "q8_mm_avx512", "int4_mm_avx2", "int4_mm_avx512", "q4_mm_avx2", "q4_mm_avx512",
                            "q4k_mm_avx2", "q4k_mm_avx512", "q5k_mm_avx2", "q5k_mm_avx512",
-                           "q6k_mm_avx2", "q6k_mm_avx512", "bf16_mm_avx512", "q8_mm_amx", "q4_mm_amx",
-                           "q4k_mm_amx", "q6k_mm_amx"),
+                           "q6k_mm_avx2", "q6k_mm_avx512", "bf16_mm_avx2", "bf16_mm_avx512", "bf16_mm_avx512bf16",
+                           "q8_mm_amx", "q4_mm_amx", "q4k_mm_amx", "q6k_mm_amx"),
                           matmul_shape),
                          (("decode_attention_avx2", "decode_attention_avx512"), attention_shape)):
         for name in names:

@@ -10,7 +10,7 @@
 // tokens do not depend on who shares its step. One kernel serves every batch size: rows of x are taken 32 at a
 // time so they stay in cache while a thread's weight groups stream past, which keeps prefill within ~10-20% of
 // oneDNN's GEMM while decode runs 2-4x faster.
-#include "kernels.h"
+#include "bf16_fma.h"  // the layout's constants and the final fold, shared with the FMA kernels
 
 #include <immintrin.h>
 
@@ -19,17 +19,14 @@
 namespace tern {
 namespace {
 
-constexpr int64_t kChunk = 32;     // bf16 values per zmm register
-constexpr int kRows = 4;           // weight rows per packed group
+using bf16_fma::kChunk;
+constexpr int kRows = bf16_fma::kGroupRows;
 constexpr int64_t kRowTile = 32;   // rows of x kept in cache while a thread's weight groups stream past
 
 // [sum(a0), sum(a1), sum(a2), sum(a3)]: the same additions in the same order for every output.
 inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  auto half = [](__m512 a) {
-    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-  };
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half(a0), half(a1)), _mm256_hadd_ps(half(a2), half(a3)));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  using bf16_fma::Avx512;
+  return bf16_fma::sum_lanes(Avx512::fold(&a0), Avx512::fold(&a1), Avx512::fold(&a2), Avx512::fold(&a3));
 }
 
 // out[m, 0..3] for MB rows of x against one packed group of 4 weight rows.

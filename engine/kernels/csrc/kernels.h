@@ -136,14 +136,18 @@ void q8_pairs_avx512(const Q8Problem& p, int64_t m0, int64_t g0, int64_t g1);
 // q8_groups_avx512 does them, the same bits. Only once Linux has granted the process the tile state.
 void q8_groups_amx(const Q8Problem& p, int64_t g0, int64_t g1);
 
-// bf16 x bf16 -> bf16 on AVX512-BF16, weights packed [N/4][K/32][4][32] (engine/kernels/layouts.py).
+// bf16 x bf16 -> bf16, weights packed [N/4][K/32][4][32] (engine/kernels/layouts.py), over groups of 4 weight rows
+// [g0, g1): by vdpbf16ps on AVX512-BF16 (bf16_avx512.cpp), elsewhere by its arithmetic in fp32 FMAs (bf16_fma.h).
 struct Bf16Problem {
   const uint16_t* x;
   int64_t M, K, N;
   const uint16_t* w;
   uint16_t* out;
 };
+using Bf16Groups = void (*)(const Bf16Problem& p, int64_t g0, int64_t g1);
 void bf16_groups_avx512(const Bf16Problem& p, int64_t g0, int64_t g1);
+void bf16_fma_groups_avx2(const Bf16Problem& p, int64_t g0, int64_t g1);
+void bf16_fma_groups_avx512(const Bf16Problem& p, int64_t g0, int64_t g1);
 
 // Decode attention read in place from a paged KV cache: tasks are (sequence, KV head) pairs, b * Hkv + h.
 struct AttentionProblem {

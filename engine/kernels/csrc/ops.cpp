@@ -62,7 +62,7 @@ at::Tensor q8_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
   return out;
 }
 
-#ifdef TERN_WITH_AVX512_BF16
+template <Bf16Groups Groups>
 at::Tensor bf16_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
   const at::Tensor x = x_in.contiguous();
   TORCH_CHECK(x.dim() == 2 && w_packed.dim() == 2 && x.size(1) == w_packed.size(1),
@@ -75,10 +75,9 @@ at::Tensor bf16_mm(const at::Tensor& x_in, const at::Tensor& w_packed) {
   if (M == 0) return out;
   const Bf16Problem p{static_cast<const uint16_t*>(x.data_ptr()), M, K, N,
                       static_cast<const uint16_t*>(w_packed.data_ptr()), static_cast<uint16_t*>(out.data_ptr())};
-  at::parallel_for(0, N / 4, 16, [&](int64_t g0, int64_t g1) { bf16_groups_avx512(p, g0, g1); });
+  at::parallel_for(0, N / 4, 16, [&](int64_t g0, int64_t g1) { Groups(p, g0, g1); });
   return out;
 }
-#endif
 
 template <AttentionTasks Attend>
 at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -180,6 +179,7 @@ TORCH_LIBRARY(tern, m) {
   m.def("decode_attention_avx2(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, Tensor context_lens, "
         "float scale) -> Tensor");
   m.def("silu_mul_avx2(Tensor gate_up) -> Tensor");
+  m.def("bf16_mm_avx2(Tensor x, Tensor w_packed) -> Tensor");
 #ifdef TERN_WITH_AVX512
   m.def("int4_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
   m.def("q4_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
@@ -190,9 +190,10 @@ TORCH_LIBRARY(tern, m) {
   m.def("decode_attention_avx512(Tensor q, Tensor k_cache, Tensor v_cache, Tensor context_slots, "
         "Tensor context_lens, float scale) -> Tensor");
   m.def("silu_mul_avx512(Tensor gate_up) -> Tensor");
+  m.def("bf16_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
 #endif
 #ifdef TERN_WITH_AVX512_BF16
-  m.def("bf16_mm_avx512(Tensor x, Tensor w_packed) -> Tensor");
+  m.def("bf16_mm_avx512bf16(Tensor x, Tensor w_packed) -> Tensor");
 #endif
 #ifdef TERN_WITH_AMX
   m.def("q8_mm_amx(Tensor x, Tensor w_packed) -> Tensor");
@@ -218,6 +219,7 @@ TORCH_LIBRARY_IMPL(tern, CPU, m) {
   m.impl("q8_mm_avx2", &tern::q8_mm<tern::q8_groups_avx2>);
   m.impl("decode_attention_avx2", &tern::decode_attention_op<tern::decode_attention_avx2>);
   m.impl("silu_mul_avx2", &tern::silu_mul_op<tern::silu_mul_avx2>);
+  m.impl("bf16_mm_avx2", &tern::bf16_mm<tern::bf16_fma_groups_avx2>);
 #ifdef TERN_WITH_AVX512
   m.impl("int4_mm_avx512", &tern::int4_mm<tern::int4_groups_avx512, tern::kInt4GroupBytes>);
   m.impl("q4_mm_avx512", &tern::int4_mm<tern::q4_groups_avx512, tern::kQ4GroupBytes>);
@@ -227,9 +229,10 @@ TORCH_LIBRARY_IMPL(tern, CPU, m) {
   m.impl("q8_mm_avx512", &tern::q8_mm<tern::q8_groups_avx512>);
   m.impl("decode_attention_avx512", &tern::decode_attention_op<tern::decode_attention_avx512>);
   m.impl("silu_mul_avx512", &tern::silu_mul_op<tern::silu_mul_avx512>);
+  m.impl("bf16_mm_avx512", &tern::bf16_mm<tern::bf16_fma_groups_avx512>);
 #endif
 #ifdef TERN_WITH_AVX512_BF16
-  m.impl("bf16_mm_avx512", &tern::bf16_mm);
+  m.impl("bf16_mm_avx512bf16", &tern::bf16_mm<tern::bf16_groups_avx512>);
 #endif
 #ifdef TERN_WITH_AMX
   m.impl("q8_mm_amx", &tern::q8_mm<tern::q8_groups_amx>);

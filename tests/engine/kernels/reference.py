@@ -98,3 +98,19 @@ def q6k_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, d: torch.T
             isum += (xq[:, j] @ levels[:, j * 16:(j + 1) * 16].t()) * scale[:, j][None]
         acc = acc + isum.float() * (d[:, s].float()[None] * x_scales[:, s:s + 1])
     return acc.to(x.dtype)
+
+
+def bf16_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 times weight [N, K] bf16 as bf16_fma.h computes it: [M, N] bf16. Per chunk of 32 columns, lane i
+    adds the product of pair i's odd members, then of its even ones (vdpbf16ps's order; a product of two bf16 is exact
+    in fp32, so `acc + a * b` rounds once, as an FMA); the 16 lanes folded as lanes i + 8, then a pairwise tree."""
+    rows, cols = x.shape
+    pairs_x = x.float().reshape(rows, 1, cols // 32, 16, 2)
+    pairs_w = weight.float().reshape(1, weight.shape[0], cols // 32, 16, 2)
+    acc = torch.zeros(rows, weight.shape[0], 16)
+    for c in range(cols // 32):
+        acc = acc + pairs_x[:, :, c, :, 1] * pairs_w[:, :, c, :, 1]
+        acc = acc + pairs_x[:, :, c, :, 0] * pairs_w[:, :, c, :, 0]
+    h = acc[..., :8] + acc[..., 8:]
+    return (((h[..., 0] + h[..., 1]) + (h[..., 2] + h[..., 3]))
+            + ((h[..., 4] + h[..., 5]) + (h[..., 6] + h[..., 7]))).to(torch.bfloat16)

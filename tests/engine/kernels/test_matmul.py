@@ -391,6 +391,18 @@ def test_bf16_kernel_is_the_exact_product_rounded_once_and_each_row_is_independe
             assert torch.equal(bf16_mm(x[row:row + 1], packed)[0], out[row]), (n, k, row)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 70])
+def test_bf16_kernel_without_avx512_bf16_is_its_reference_bit_for_bit(path_kernels, rows):
+    """avx2 and avx512 without AVX512-BF16 compute vdpbf16ps's arithmetic in FMAs: both the same bits as
+    reference.bf16_matmul (4 rows a pass and every remainder; 70: a second tile of split rows, 64 + 6)."""
+    bf16_mm = require(path_kernels.bf16_mm, "bf16")
+    if "avx512-bf16" in path_kernels.describe():
+        pytest.skip("this CPU multiplies bf16 by vdpbf16ps, whose bits need not follow the SDM's definition")
+    for n, k in [(4, 32), (12, 96), (100, 576)]:
+        x, weight = _bf16_case(rows, n, k, seed=rows)
+        assert torch.equal(bf16_mm(x, layouts.pack_bf16(weight)), reference.bf16_matmul(x, weight)), (n, k)
+
+
 def test_bf16_layer_runs_inside_a_compiled_graph(path_kernels):
     bf16_mm = require(path_kernels.bf16_mm, "bf16")
     x, weight = _bf16_case(3, 100, 576)
