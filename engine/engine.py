@@ -154,6 +154,9 @@ class Engine:
             self._thread.join(timeout=30)
             self._thread = None
             self.runner.stop_compiling()
+        collapse = getattr(self, "_weights_settled", None)  # it holds the weights: ended here, they go with the engine
+        if collapse is not None:
+            collapse.stop()
 
     def drain(self) -> None:
         """Take no new requests from now on (submit() raises DrainingError); those already in run to their end.

@@ -93,30 +93,57 @@ def _set_disabled(disabled: int) -> bool:
     return _libc().prctl(_PR_SET_THP_DISABLE, disabled, 0, 0, 0) == 0
 
 
-def collapse_in_background(tensors: list[torch.Tensor], after: Callable[[], object] | None = None) -> threading.Event:
-    """Collapse the memory of `tensors` (each distinct storage's whole 2 MB pages) into huge pages on a thread of
-    its own, once after() has returned (the KV pool's faulting in: the two do not then share the cores); the event
-    is set when done."""
-    done = threading.Event()
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device.type == "cpu"}
+class BackgroundCollapse:
+    """The weights' move into huge pages on a thread of its own (collapse_in_background). It holds their storages
+    while it runs: an engine stopped meanwhile (a model unloaded) would otherwise free them under it, and MADV_COLLAPSE
+    on memory the allocator has taken back, or handed to the next model, made it resident again (a round of
+    bench/unload_memory.py kept 1.2 GB after its unload). stop() ends it between storages and waits for it."""
 
-    def collapse_all() -> None:
+    def __init__(self, tensors: list[torch.Tensor], after: Callable[[], object] | None) -> None:
+        self.done = threading.Event()
+        self._stopping = threading.Event()
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors if t.device.type == "cpu"}
+        self._thread = threading.Thread(target=self._collapse_all, args=(list(storages.values()), after),
+                                        name="tern-huge-pages", daemon=True)
+        self._thread.start()
+
+    def is_set(self) -> bool:
+        """Whether the move has ended (or was stopped)."""
+        return self.done.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return self.done.wait(timeout_s)
+
+    def stop(self, timeout_s: float = 30) -> None:
+        self._stopping.set()
+        self._thread.join(timeout_s)
+
+    def _collapse_all(self, storages: list, after: Callable[[], object] | None) -> None:
         try:
             if after is not None:
                 after()
-            started, collapsed = time.monotonic(), 0
-            for address, nbytes in storages.items():
+            started, collapsed, total = time.monotonic(), 0, sum(storage.nbytes() for storage in storages)
+            while storages and not self._stopping.is_set():
+                storage = storages.pop()
+                address, nbytes = storage.data_ptr(), storage.nbytes()
                 start = address + -address % _HUGE_PAGE
                 end = (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE
                 if end > start and libc_madvise()(start, end - start, _MADV_COLLAPSE) == 0:
                     collapsed += end - start
-            logger.info("weights in huge pages: %d MB of %d MB collapsed in %.1f s", collapsed >> 20,
-                        sum(storages.values()) >> 20, time.monotonic() - started)
+                del storage  # this thread holds none it is done with
+            logger.info("weights in huge pages: %d MB of %d MB collapsed in %.1f s%s", collapsed >> 20, total >> 20,
+                        time.monotonic() - started, " (stopped)" if self._stopping.is_set() else "")
         finally:
-            done.set()
+            storages.clear()
+            self.done.set()
 
-    threading.Thread(target=collapse_all, name="tern-huge-pages", daemon=True).start()
-    return done
+
+def collapse_in_background(tensors: list[torch.Tensor],
+                           after: Callable[[], object] | None = None) -> BackgroundCollapse:
+    """Collapse the memory of `tensors` (each distinct storage's whole 2 MB pages) into huge pages on a thread of
+    its own, once after() has returned (the KV pool's faulting in: the two do not then share the cores); its done
+    event is set when it has ended."""
+    return BackgroundCollapse(tensors, after)
 
 
 def weight_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
