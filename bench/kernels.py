@@ -118,7 +118,7 @@ def candidates(cpu: kernels.CpuKernels) -> dict[str, callable]:
              "aten int4pack (bf16 activations)": aten_int4pack}
     if cpu.bf16_mm is not None:
         found["aten bf16 (F.linear)"] = aten_bf16
-        found[f"Tern bf16 ({cpu.describe().split('bf16: ')[1].split(',')[0]})"] = tern_bf16
+        found[f"Tern bf16 ({cpu.path})"] = tern_bf16  # which bf16 kernel: the header's describe() line
     if cpu.q8_mm is not None:
         found[f"Tern q8 ({cpu.path})"] = tern_q8()
     if SHAPES is STACKS["1b"]:  # the 4-bit layouts against each other, and q8 (a Q8_0 file's); no head

@@ -154,7 +154,8 @@ class Engine:
             self._thread.join(timeout=30)
             self._thread = None
             self.runner.stop_compiling()
-        collapse = getattr(self, "_weights_settled", None)  # it holds the weights: ended here, they go with the engine
+        # It holds the weights: ended here, they go with the engine (None, or unset where _setup failed first).
+        collapse = getattr(self, "_weights_settled", None)
         if collapse is not None:
             collapse.stop()
 

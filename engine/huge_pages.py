@@ -100,7 +100,7 @@ class BackgroundCollapse:
     bench/unload_memory.py kept 1.2 GB after its unload). stop() ends it between storages and waits for it."""
 
     def __init__(self, tensors: list[torch.Tensor], after: Callable[[], object] | None) -> None:
-        self.done = threading.Event()
+        self._done = threading.Event()
         self._stopping = threading.Event()
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors if t.device.type == "cpu"}
         self._thread = threading.Thread(target=self._collapse_all, args=(list(storages.values()), after),
@@ -109,10 +109,10 @@ class BackgroundCollapse:
 
     def is_set(self) -> bool:
         """Whether the move has ended (or was stopped)."""
-        return self.done.is_set()
+        return self._done.is_set()
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        return self.done.wait(timeout_s)
+        return self._done.wait(timeout_s)
 
     def stop(self, timeout_s: float = 30) -> None:
         self._stopping.set()
@@ -135,14 +135,13 @@ class BackgroundCollapse:
                         time.monotonic() - started, " (stopped)" if self._stopping.is_set() else "")
         finally:
             storages.clear()
-            self.done.set()
+            self._done.set()
 
 
 def collapse_in_background(tensors: list[torch.Tensor],
                            after: Callable[[], object] | None = None) -> BackgroundCollapse:
     """Collapse the memory of `tensors` (each distinct storage's whole 2 MB pages) into huge pages on a thread of
-    its own, once after() has returned (the KV pool's faulting in: the two do not then share the cores); its done
-    event is set when it has ended."""
+    its own, once after() has returned (the KV pool's faulting in: the two do not then share the cores)."""
     return BackgroundCollapse(tensors, after)
 
 
