@@ -122,15 +122,18 @@ def require_op(op, what: str):
 
 
 def tiny_quantized_engine(model_type: str, mode: str, tokenizer, device: str = "cpu", dtype: str = "float32",
-                          path: kernels.CpuKernels | None = None, **engine_config):
+                          path: kernels.CpuKernels | None = None, before_quantizing=None, **engine_config):
     """(engine on the tiny model quantized with `mode` and packed for `path`'s kernels, float transformers twin
-    with the same weights)."""
+    with the same weights). `before_quantizing(model)` may change the float model's weights first."""
     from engine.weights import quant
 
     hf_model, loaded = build_tiny(tiny_config(model_type), tokenizer, seed=0, device=device, dtype=getattr(torch, dtype),
                                   path=path)
     if loaded.model is hf_model:  # the generic path serves the transformers model itself: keep a float twin
         loaded.model = copy.deepcopy(hf_model)
+    if before_quantizing is not None:
+        with torch.no_grad():
+            before_quantizing(loaded.model)
     quant.quantize(loaded.model, mode, loaded.device, loaded.dtype)
     if loaded.device.type == "cpu":
         quant.pack_for_cpu(loaded.model, loaded.kernels)

@@ -3,9 +3,13 @@ BitsAndBytesConfig builds them, and whether they run here. Imported on demand: b
 from __future__ import annotations
 
 import logging
+import sys
+from typing import Callable
 
 import torch
 from torch import nn
+
+from engine.kernels import layouts
 
 BNB_MODES = {"bnb-int8": "int8", "bnb-nf4": "nf4", "bnb-fp4": "fp4"}
 BNB_INT8_THRESHOLD = 6.0  # transformers' BitsAndBytesConfig default (llm_int8_threshold)
@@ -48,6 +52,31 @@ def bnb_layer(weight: torch.Tensor, bias: torch.Tensor | None, mode: str, dtype:
     # Eval mode matters: in training mode LLM.int8() on CPU skips outlier decomposition, and 4-bit skips
     # repacking the weight for the AVX512-BF16 kernel.
     return layer.eval()
+
+
+def row_exact_layer(layer: nn.Module, bf16_mm: Callable | None) -> nn.Module | None:
+    """For a quantized bitsandbytes layer on the CPU, its twin whose rows get the same bits in any batch
+    (engine/weights/bnb_rows.py), holding bitsandbytes' own weights; None for any other layer, or where no twin
+    serves it: 4-bit layers need bf16 compute, Tern's bf16 kernel (`bf16_mm`) and a shape its layout holds, and
+    not bitsandbytes' own AVX512-BF16 packing. LLM.int8()'s int8 GEMM is aten's _int_mm where aten's CPU
+    capability is AVX512, as bitsandbytes chooses it, else exact float32 slices (the same bits)."""
+    if "bitsandbytes" not in sys.modules:  # then no layer of the model is one of its
+        return None
+    from engine.weights.bnb_rows import Bf16KernelLinear4bit, RowwiseInt8LtLinear
+
+    bnb = sys.modules["bitsandbytes"]
+    if not isinstance(layer, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)) or layer.weight.device.type != "cpu":
+        return None
+    weight, bias = layer.weight, None if layer.bias is None else layer.bias.detach()
+    if isinstance(layer, bnb.nn.Linear8bitLt):
+        use_int_mm = torch.backends.cpu.get_cpu_capability() == "AVX512"
+        return RowwiseInt8LtLinear(weight.data, weight.SCB.float(), bias, layer.state.threshold, use_int_mm)
+    if (isinstance(layer, bnb.nn.Linear4bit) and bf16_mm is not None and layer.compute_dtype == torch.bfloat16
+            and not getattr(weight.quant_state, "packing_format_for_cpu", False)):
+        rows, columns = weight.quant_state.shape
+        if rows % layouts.BF16_GROUP_ROWS == 0 and columns % (layouts.CHUNK_BYTES // 2) == 0:
+            return Bf16KernelLinear4bit(weight, bias, bf16_mm)
+    return None
 
 
 def state_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:

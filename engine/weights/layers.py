@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import layouts
+from engine.weights.bnb_rows import Bf16KernelLinear4bit, RowwiseInt8LtLinear
 
 INT8PACK_MAX_ROWS = 32  # above this many rows (prefill), one GEMM on the dequantized weight beats _weight_int8pack_mm
 
@@ -301,10 +302,16 @@ class PackedBf16Embedding(nn.Module):
 
 def computes_each_row_alone(model: nn.Module) -> bool:
     """Whether every matmul of `model` gives a row of activations the same bits in any batch: true of Tern's kernel
-    layers (each output one fixed chain over its row, activations quantized per row), not of aten's GEMMs, whose
-    blocking and reduction order change with the number of rows (bitsandbytes' LLM.int8() even picks its outlier
-    columns per batch)."""
-    kernel_layers = (_KernelForward, PackedBf16Linear)
+    layers (each output one fixed chain over its row, activations quantized per row) and of the bnb modes' twins
+    built on them (engine/weights/bnb_rows.py), not of aten's GEMMs, whose blocking and reduction order change with the
+    number of rows. One exception: an output head left in float32 (the bnb modes keep it unquantized, as
+    transformers does) changes a logit in its last bits only, with no layer after it to grow the difference."""
+    kernel_layers = (_KernelForward, PackedBf16Linear, RowwiseInt8LtLinear, Bf16KernelLinear4bit)
     aten_layers = (nn.Linear, Int8Linear, AtenInt4Linear, _BlockLinear)  # bnb's layers are nn.Linear subclasses
-    return not any(isinstance(m, aten_layers) and not isinstance(m, kernel_layers) for m in model.modules())
-
+    head = getattr(model, "lm_head", None)
+    for module in model.modules():
+        if isinstance(module, aten_layers) and not isinstance(module, kernel_layers):
+            if module is head and type(module) is nn.Linear and module.weight.dtype == torch.float32:
+                continue
+            return False
+    return True

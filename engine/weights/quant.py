@@ -12,7 +12,8 @@ Modes (EngineConfig.quantization):
   converted from a Q4_1 GGUF (the default model) gets its own 4-bit values back, exactly.
 - `bnb-int8` (LLM.int8(), outlier threshold 6.0), `bnb-nf4`, `bnb-fp4` (blocksize 64, compute dtype = the
   engine dtype, optional double quantization): bitsandbytes layers, as transformers' BitsAndBytesConfig builds
-  them. Like transformers, they leave lm_head and the embedding unquantized, so perplexity matches the reference.
+  them. Like transformers, they leave lm_head and the embedding unquantized. On a CPU, pack_for_cpu gives them
+  twins whose rows get the same bits in any batch (engine/weights/bnb_rows.py).
 - `auto` (the server's default), decided by `resolve_mode`: on CPU, `int4` where the weights are 4-bit already
   (every linear layer's values round-trip through it exactly, as a converted Q4_1 GGUF's do) and the CPU takes
   the AVX2 path, `int8` otherwise (AVX512 CPUs: its VNNI kernel is the measured fast path there); `none` on CUDA.
@@ -21,7 +22,9 @@ rows (q8, 4-bit), so fusing before quantizing changes nothing.
 
 `pack_for_cpu` is the step after: it swaps each layer whose shape fits for its packed twin (engine/weights/layers.py)
 holding the operator of the kernel path chosen for this process (engine.kernels.select): q8, int4 and q4 layers
-(q4: a GGUF's Q4_0 tensors, engine/weights/gguf_blocks.py), and bf16 ones of the unquantized mode where the CPU has AVX512-BF16.
+(q4: a GGUF's Q4_0 tensors, engine/weights/gguf_blocks.py), and bf16 ones (the unquantized mode in bf16, the bnb
+modes' lm_head) on every kernel path. On a CPU it also gives bitsandbytes' layers twins whose rows get the same
+bits in any batch (engine/weights/bnb_rows.py: LLM.int8() row by row, 4-bit weights through the bf16 kernel).
 """
 from __future__ import annotations
 
@@ -181,9 +184,10 @@ def quantize(model: nn.Module, mode: str, device: torch.device, dtype: torch.dty
 
 
 def pack_for_cpu(model: nn.Module, kernels: CpuKernels) -> None:
-    """Swap every plain q8 / int4 / q4 / q4k / q5k / q6k layer (and, where the CPU has AVX512-BF16, every bf16
+    """Swap every plain q8 / int4 / q4 / q4k / q5k / q6k layer (and, where the path has a bf16 kernel, every bf16
     nn.Linear) whose shape fits for its packed twin holding `kernels`' operator; without a kernel, 4-bit layers go
-    to aten's int4pack and q8, q5k and q6k ones to per-row int8 for aten's int8pack.
+    to aten's int4pack and q8, q5k and q6k ones to per-row int8 for aten's int8pack. bitsandbytes' layers become
+    bnb.row_exact_layer's where it has one (after the model's cast to its dtype: LLM.int8()'s scales stay fp32).
     Tied layers keep sharing one matrix. Logs how many matrices each kernel serves."""
     counts: dict[str, int] = {}
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -221,6 +225,8 @@ def pack_for_cpu(model: nn.Module, kernels: CpuKernels) -> None:
                 if key not in per_row:
                     per_row[key] = quantize_int8(child.dequantize(child.weight_packed), dtype)
                 new = Int8Linear(*per_row[key], child.bias)
+        elif (row_exact := bnb.row_exact_layer(child, kernels.bf16_mm)) is not None:
+            new = row_exact
         elif (type(child) is nn.Linear and kernels.bf16_mm and child.weight.dtype == torch.bfloat16
               and layouts.can_pack_bf16(child.weight)):
             key = child.weight.data_ptr()
