@@ -51,8 +51,11 @@ def llm_int8_rows(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torc
                   threshold: float, use_int_mm: bool) -> torch.Tensor:
     """LLM.int8() of x [M, K] against bitsandbytes' int8 weight [N, K] and its per-row absmax scales [N], with each
     row's outliers its own; [M, N] in x's dtype."""
+    if x.shape[0] == 0:
+        return x.new_empty(0, weight_int8.shape[0])
     x16 = x.to(torch.float16)  # bitsandbytes quantizes fp16 activations
-    outliers = x16.abs() >= threshold
+    # A threshold of 0 turns the decomposition off, as in bitsandbytes.
+    outliers = x16.abs() >= threshold if threshold > 0 else torch.zeros_like(x16, dtype=torch.bool)
     inliers = x16.masked_fill(outliers, 0)
     row_scale = inliers.abs().amax(dim=1).float()
     # An all-outlier (or all-zero) row has no inlier scale: its int8 part is zero, not 0 * inf.

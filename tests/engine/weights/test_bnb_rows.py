@@ -132,3 +132,18 @@ def test_4bit_in_bf16_multiplies_bitsandbytes_weights_in_the_bf16_kernel_alike_i
     exact = exact + bias.float()
     for result in (batch.float(), theirs):
         assert ((result - exact).abs() <= 2.0 ** -7 * exact.abs() + 0.02).all()
+
+
+def test_an_empty_batch_and_a_threshold_of_zero():
+    """No rows give no rows; a threshold of 0 turns the outlier decomposition off (bitsandbytes' meaning), so even
+    activations of 30 go through int8: the product of the de-quantized operands, to float32 rounding."""
+    generator = torch.Generator().manual_seed(4)
+    weight_int8 = torch.randint(-127, 128, (16, 128), generator=generator, dtype=torch.int8)
+    weight_scale = torch.rand(16, generator=generator) + 0.5
+    layer = RowwiseInt8LtLinear(weight_int8, weight_scale, None, threshold=0.0, use_int_mm=False)
+    assert layer(torch.randn(0, 128)).shape == (0, 16)
+    x = activations(6, 128, torch.float32)
+    row_scale = x.half().abs().amax(dim=1).float()
+    x_int8 = torch.round(x.half() * (127.0 / row_scale[:, None])).to(torch.int8)
+    expected = (x_int8.double() * row_scale[:, None] / 127) @ (weight_int8.double() * weight_scale[:, None] / 127).t()
+    assert torch.allclose(layer(x).double(), expected, rtol=1e-4, atol=1e-4)
