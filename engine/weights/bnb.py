@@ -2,6 +2,7 @@
 BitsAndBytesConfig builds them, and whether they run here. Imported on demand: bitsandbytes is optional."""
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from typing import Callable
@@ -10,6 +11,8 @@ import torch
 from torch import nn
 
 from engine.kernels import layouts
+
+logger = logging.getLogger(__name__)
 
 BNB_MODES = {"bnb-int8": "int8", "bnb-nf4": "nf4", "bnb-fp4": "fp4"}
 BNB_INT8_THRESHOLD = 6.0  # transformers' BitsAndBytesConfig default (llm_int8_threshold)
@@ -69,14 +72,23 @@ def row_exact_layer(layer: nn.Module, bf16_mm: Callable | None) -> nn.Module | N
         return None
     weight, bias = layer.weight, None if layer.bias is None else layer.bias.detach()
     if isinstance(layer, bnb.nn.Linear8bitLt):
-        use_int_mm = torch.backends.cpu.get_cpu_capability() == "AVX512"
-        return RowwiseInt8LtLinear(weight.data, weight.SCB.float(), bias, layer.state.threshold, use_int_mm)
+        return RowwiseInt8LtLinear(weight.data, weight.SCB.float(), bias, layer.state.threshold, _int8_gemm_is_int_mm())
     if (isinstance(layer, bnb.nn.Linear4bit) and bf16_mm is not None and layer.compute_dtype == torch.bfloat16
             and not getattr(weight.quant_state, "packing_format_for_cpu", False)):
         rows, columns = weight.quant_state.shape
         if rows % layouts.BF16_GROUP_ROWS == 0 and columns % (layouts.CHUNK_BYTES // 2) == 0:
             return Bf16KernelLinear4bit(weight, bias, bf16_mm)
     return None
+
+
+@functools.cache
+def _int8_gemm_is_int_mm() -> bool:
+    """LLM.int8()'s int8 GEMM on this CPU, decided (and logged) once per process."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    use_int_mm = capability == "AVX512"
+    logger.info("bnb-int8: LLM.int8() row by row, its int8 GEMM %s (aten's CPU capability: %s)",
+                "aten's _int_mm" if use_int_mm else "in exact float32 slices", capability)
+    return use_int_mm
 
 
 def state_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
