@@ -73,7 +73,8 @@ def row_exact_layer(layer: nn.Module, bf16_mm: Callable | None) -> nn.Module | N
     weight, bias = layer.weight, None if layer.bias is None else layer.bias.detach()
     if isinstance(layer, bnb.nn.Linear8bitLt):
         return RowwiseInt8LtLinear(weight.data, weight.SCB.float(), bias, layer.state.threshold, _int8_gemm_is_int_mm())
-    if (isinstance(layer, bnb.nn.Linear4bit) and bf16_mm is not None and layer.compute_dtype == torch.bfloat16
+    # A Linear4bit from here on.
+    if (bf16_mm is not None and layer.compute_dtype == torch.bfloat16
             and not getattr(weight.quant_state, "packing_format_for_cpu", False)):
         rows, columns = weight.quant_state.shape
         if rows % layouts.BF16_GROUP_ROWS == 0 and columns % (layouts.CHUNK_BYTES // 2) == 0:

@@ -68,14 +68,16 @@ def llm_int8_rows(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torc
     if rows.numel():
         per_row = outliers.sum(dim=1)
         rank = torch.arange(rows.numel(), device=x.device) - (per_row.cumsum(0) - per_row)[rows]
+        # The outlier columns' weights, each de-quantized once however many rows share it, as bitsandbytes
+        # de-quantizes them (in x's dtype): [columns used, N].
+        used, slot = torch.unique(columns, return_inverse=True)
+        weights = (weight_int8[:, used].float() * weight_scale.unsqueeze(1) * WEIGHT_DEQUANT).to(x.dtype).float().t()
         # Step k adds every row's k-th outlier product: each row its own columns, in column order, so a row's
-        # additions are the same in any batch. Multiply and add are separate elementwise ops (never fused or
-        # reduced); the weights are dequantized as bitsandbytes dequantizes them, in x's dtype.
+        # additions are the same in any batch. Multiply and add are separate elementwise ops (never fused or reduced).
         for k in range(int(per_row.max())):
             at = rank == k
-            row, column = rows[at], columns[at]
-            weights = (weight_int8[:, column].float() * weight_scale.unsqueeze(1) * WEIGHT_DEQUANT).to(x.dtype)
-            out[row] = out[row] + x[row, column].float().unsqueeze(1) * weights.float().t()
+            row = rows[at]
+            out[row] = out[row] + x[row, columns[at]].float().unsqueeze(1) * weights[slot[at]]
     return out.to(x.dtype)
 
 
@@ -113,11 +115,12 @@ class Bf16KernelLinear4bit(nn.Module):
         self.weight = weight
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.matmul = bf16_mm
+        import bitsandbytes.functional  # loaded already: the layer's weight is one of its parameters
+
+        self.dequantize = bitsandbytes.functional.dequantize_4bit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        import bitsandbytes.functional as bnb_functional
-
-        weight = bnb_functional.dequantize_4bit(self.weight.data, self.weight.quant_state).to(torch.bfloat16)
+        weight = self.dequantize(self.weight.data, self.weight.quant_state).to(torch.bfloat16)
         out = self.matmul(x.reshape(-1, self.in_features).to(torch.bfloat16), layouts.pack_bf16(weight))
         if self.bias is not None:
             out = out + self.bias
