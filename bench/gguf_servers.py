@@ -104,6 +104,17 @@ def memory_mb(pid: int) -> dict[str, float]:
     return fields
 
 
+def kernel_path(server: str, pid: int, log: Path) -> str:
+    """Which CPU code the server runs, for the table's header: Tern's log line (TERN_CPU_KERNELS may force a path
+    below the CPU's best), and the ggml CPU library llama-server mapped (LD_LIBRARY_PATH may swap in a build for
+    an older instruction set)."""
+    if server == "llama-server":
+        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        return next((line.split()[-1] for line in maps if "libggml-cpu" in line), "libggml-cpu: not mapped")
+    line = next((line for line in log.read_text().splitlines() if "CPU kernels:" in line), "")
+    return line.partition("CPU kernels:")[2].strip() or "CPU kernels: not in the log"
+
+
 class Server:
     def __init__(self, server: str, model: Path, llama_bin: Path, slots: int, log_dir: Path) -> None:
         self.port = free_port()
@@ -116,6 +127,7 @@ class Server:
         self.ready_s = self._wait_ready()
         self._wait_memory_settled()  # Tern's pool faults in just after ready: its memory counts here
         self.at_ready = memory_mb(self.process.pid)  # VmHWM now: the peak of loading, before any request
+        self.kernels = kernel_path(server, self.process.pid, Path(self.log.name))
 
     def _wait_ready(self) -> float:
         deadline = time.monotonic() + 1800
@@ -166,6 +178,7 @@ def measure(server: str, model: Path, args) -> dict:
     result = {}
     first = Server(server, model, args.llama_bin, 1, args.log_dir)
     try:
+        result["kernels"] = first.kernels
         result["ready_s"] = first.ready_s
         result["load_peak_mb"] = first.at_ready.get("VmHWM", float("nan"))
         result["ready_mb"] = first.at_ready.get("VmRSS", float("nan"))
@@ -213,7 +226,11 @@ def main() -> None:
                 print(f"{model.name} round {index + 1} {name}: {result}", flush=True)
         table.append((model, rounds))
 
-    print(f"\n{args.rounds} alternated rounds; CPU flags: {kernel_flags()}; {os.cpu_count()} cores\n")
+    print(f"\n{args.rounds} alternated rounds; CPU flags: {kernel_flags()}; {os.cpu_count()} cores")
+    for name in servers:
+        paths = sorted({r["kernels"] for _, rounds in table for r in rounds[name]})
+        print(f"{name} ran: {'; '.join(paths)}")
+    print()
     # MiB throughout (/proc's kB / 1024 for memory), so memory / (file + KV) is one unit's ratio.
     print("| GGUF | file MiB | 1 stream tok/s Tern vs llama-server | 16 streams | prefill s (~"
           f"{args.prefill_tokens} tokens) | ready s | peak MiB loading | resident MiB at ready | "
