@@ -114,6 +114,15 @@ def path_kernels(request) -> kernels.CpuKernels:
         pytest.skip(f"kernel path {request.param}: {exc}")
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """Marks `every_path` the tests that take their kernels from `path_kernels`: they run once per path, `off`
+    included, whatever TERN_CPU_KERNELS says, so `make test`'s second pass (the engine with the kernels off)
+    deselects them instead of running them all again."""
+    for item in items:
+        if "path_kernels" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.every_path)
+
+
 def require_op(op, what: str):
     """The op, or skip the test: the `off` path (and avx2, for bf16) leaves that work to aten."""
     if op is None:
