@@ -154,7 +154,11 @@ class Engine:
             self._thread.join(timeout=30)
             self._thread = None
             self.runner.stop_compiling()
-        # It holds the weights: ended here, they go with the engine (None, or unset where _setup failed first).
+        # These threads hold the KV pool and the weights: ended here, both go with the engine (None, or unset where
+        # _setup failed first). The pool's first: the weights' thread waits for the pool to be resident.
+        kv_cache = getattr(self, "kv_cache", None)
+        if kv_cache is not None:
+            kv_cache.stop_faulting_in()
         collapse = getattr(self, "_weights_settled", None)
         if collapse is not None:
             collapse.stop()

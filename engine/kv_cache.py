@@ -130,14 +130,19 @@ class KVCache:
 
         self.keys = [layer() for _ in range(num_layers)]
         self.values = [layer() for _ in range(num_layers)]
-        self._resident = pool_memory.make_resident([*self.keys, *self.values]) if on_cpu else None  # None: already
+        self._population = pool_memory.make_resident([*self.keys, *self.values]) if on_cpu else None  # None: already
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype, self.head_dim = dtype, head_dim
 
     def wait_resident(self, timeout_s: float | None = None) -> bool:
         """Block until every page of the pool is in memory; True once it is."""
-        return self._resident is None or self._resident.wait(timeout_s)
+        return self._population is None or self._population.wait(timeout_s)
+
+    def stop_faulting_in(self) -> None:
+        """End the thread that faults the pool in, if it still runs (the engine is stopping: see Population)."""
+        if self._population is not None:
+            self._population.stop()
 
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return list(zip(self.keys, self.values))

@@ -54,3 +54,25 @@ def test_a_kv_cache_reports_its_pool_resident():
     assert cache.wait_resident(60)
     assert all(resident_pages(t)[0] == resident_pages(t)[1] for t in (*cache.keys, *cache.values))
     assert not any(t.any() for t in (*cache.keys, *cache.values))
+
+
+def rss_mib() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_a_pool_stopped_while_faulting_in_is_neither_faulted_in_nor_held_after():
+    """An engine stopped (a model unloaded) while its pool still faults in: once stop() returns, the thread faults
+    no more of it in and holds none of it, so the pool's memory goes with the last tensor (2 GiB here, which takes
+    the thread a second or more; stopped at once, it gets through a tensor or two of the 32)."""
+    before = rss_mib()
+    tensors = [pool_memory.zeroed((64 << 20,), torch.uint8) for _ in range(32)]
+    population = pool_memory.make_resident(tensors)
+    population.stop()
+    assert population.wait(0)  # ended: no thread left running
+    faulted_in = sum(resident_pages(t)[0] for t in tensors) * mmap.PAGESIZE / 2**20
+    assert faulted_in < 1024, f"{faulted_in:.0f} MiB of 2,048 faulted in after stop()"
+    del tensors
+    assert rss_mib() - before < 256  # the thread kept no tensor: the pool was unmapped with ours
