@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from engine.held_work import HeldWork
+
 logger = logging.getLogger(__name__)
 
 _PR_SET_THP_DISABLE, _PR_GET_THP_DISABLE = 41, 42  # linux/prctl.h
@@ -93,49 +95,31 @@ def _set_disabled(disabled: int) -> bool:
     return _libc().prctl(_PR_SET_THP_DISABLE, disabled, 0, 0, 0) == 0
 
 
-class BackgroundCollapse:
-    """The weights' move into huge pages on a thread of its own (collapse_in_background). It holds their storages
-    while it runs: an engine stopped meanwhile (a model unloaded) would otherwise free them under it, and MADV_COLLAPSE
-    on memory the allocator has taken back, or handed to the next model, made it resident again (a round of
-    bench/unload_memory.py kept 1.2 GB after its unload). stop() ends it between storages and waits for it."""
+class BackgroundCollapse(HeldWork):
+    """The weights' move into huge pages on a thread of its own (collapse_in_background), stopped with its engine
+    (engine/held_work.py): MADV_COLLAPSE on storages an unloaded model had freed, which the allocator had taken back
+    or handed to the next model, made them resident again (a round of bench/unload_memory.py kept 1.2 GB after its
+    unload)."""
 
     def __init__(self, tensors: list[torch.Tensor], after: Callable[[], object] | None) -> None:
-        self._done = threading.Event()
-        self._stopping = threading.Event()
+        self._after = after
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors if t.device.type == "cpu"}
-        self._thread = threading.Thread(target=self._collapse_all, args=(list(storages.values()), after),
-                                        name="tern-huge-pages", daemon=True)
-        self._thread.start()
+        super().__init__(list(storages.values()), name="tern-huge-pages")
 
-    def is_set(self) -> bool:
-        """Whether the move has ended (or was stopped)."""
-        return self._done.is_set()
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        return self._done.wait(timeout_s)
-
-    def stop(self, timeout_s: float = 30) -> None:
-        self._stopping.set()
-        self._thread.join(timeout_s)
-
-    def _collapse_all(self, storages: list, after: Callable[[], object] | None) -> None:
-        try:
-            if after is not None:
-                after()
-            started, collapsed, total = time.monotonic(), 0, sum(storage.nbytes() for storage in storages)
-            while storages and not self._stopping.is_set():
-                storage = storages.pop()
-                address, nbytes = storage.data_ptr(), storage.nbytes()
-                start = address + -address % _HUGE_PAGE
-                end = (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-                if end > start and libc_madvise()(start, end - start, _MADV_COLLAPSE) == 0:
-                    collapsed += end - start
-                del storage  # this thread holds none it is done with
-            logger.info("weights in huge pages: %d MB of %d MB collapsed in %.1f s%s", collapsed >> 20, total >> 20,
-                        time.monotonic() - started, " (stopped)" if self._stopping.is_set() else "")
-        finally:
-            storages.clear()
-            self._done.set()
+    def work(self, storages: list) -> None:
+        if self._after is not None:
+            self._after()
+        started, collapsed, total = time.monotonic(), 0, sum(storage.nbytes() for storage in storages)
+        while storages and not self.stopping:
+            storage = storages.pop()
+            address, nbytes = storage.data_ptr(), storage.nbytes()
+            start = address + -address % _HUGE_PAGE
+            end = (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+            if end > start and libc_madvise()(start, end - start, _MADV_COLLAPSE) == 0:
+                collapsed += end - start
+            del storage  # this thread holds none it is done with
+        logger.info("weights in huge pages: %d MB of %d MB collapsed in %.1f s%s", collapsed >> 20, total >> 20,
+                    time.monotonic() - started, " (stopped)" if self.stopping else "")
 
 
 def collapse_in_background(tensors: list[torch.Tensor],

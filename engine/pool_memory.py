@@ -14,10 +14,10 @@ import ctypes
 import logging
 import math
 import mmap
-import threading
 
 import torch
 
+from engine.held_work import HeldWork
 from engine.huge_pages import libc_madvise, requested as huge_pages_requested
 
 logger = logging.getLogger(__name__)
@@ -47,39 +47,16 @@ def make_resident(tensors: list[torch.Tensor]) -> Population:
     return Population(tensors)
 
 
-class Population:
-    """The pool's pages faulting in on a thread of its own (make_resident). The thread holds the pool's tensors while
-    it runs, so stop() ends it between tensors and waits for it: an engine stopped meanwhile (a model unloaded)
-    would otherwise have its pool faulted in, and kept, after the unload (bench/unload_memory.py under `make test`
-    kept 450-750 MB after two unloads whose pools were still faulting in, slowly on a busy VM)."""
+class Population(HeldWork):
+    """The pool's pages faulting in on a thread of its own (make_resident), stopped with its engine
+    (engine/held_work.py); wait() returns once every page is in memory, or stop() ended it first."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self._ended = threading.Event()
-        self._stopping = threading.Event()
-        self._thread = None
-        if not tensors:
-            self._ended.set()
-            return
-        self._thread = threading.Thread(target=self._populate_all, args=(list(tensors),), name="tern-kv-pages",
-                                        daemon=True)
-        self._thread.start()
+        super().__init__(tensors, name="tern-kv-pages")
 
-    def wait(self, timeout_s: float | None = None) -> bool:
-        """Block until every page is in memory (or stop() ended it first); True once so."""
-        return self._ended.wait(timeout_s)
-
-    def stop(self, timeout_s: float = 30) -> None:
-        self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-
-    def _populate_all(self, tensors: list[torch.Tensor]) -> None:
-        try:
-            while tensors and not self._stopping.is_set():
-                _populate(tensors.pop())
-        finally:
-            tensors.clear()  # this thread holds none of the pool once it ends
-            self._ended.set()
+    def work(self, tensors: list[torch.Tensor]) -> None:
+        while tensors and not self.stopping:
+            _populate(tensors.pop())
 
 
 def _populate(tensor: torch.Tensor, first_page_only: bool = False) -> bool:
