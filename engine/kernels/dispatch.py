@@ -59,9 +59,7 @@ class CpuKernels:
     q8_mm: Callable | None = None  # (x [M, K], layouts.pack_q8 weight) -> [M, N]
     int4_mm: Callable | None = None  # (x [M, K], layouts.pack_int4 weight) -> [M, N]
     q4_mm: Callable | None = None  # (x [M, K], layouts.pack_q4 weight) -> [M, N]
-    # (x [M, K], layouts.pack_q4k weight) -> [M, N]. AVX512 only: on AVX2 its batches measured 1.2-1.3x int4's time
-    # (fewer rows a tile for want of registers), so Q4_K goes into int4 there (engine/kernels/README.md)
-    q4k_mm: Callable | None = None
+    q4k_mm: Callable | None = None  # (x [M, K], layouts.pack_q4k weight) -> [M, N]
     q5k_mm: Callable | None = None  # (x [M, K], layouts.pack_q5k weight) -> [M, N]
     q6k_mm: Callable | None = None  # (x [M, K], layouts.pack_q6k weight) -> [M, N]
     bf16_mm: Callable | None = None  # (x [M, K] bf16, layouts.pack_bf16 weight) -> [M, N] bf16
@@ -179,7 +177,7 @@ def kernels_for(path: str, cache_dir: Path, reason: str = "") -> CpuKernels:
     bf16 = ops.bf16_mm_avx512bf16 if isa == "avx512" and BF16_FLAG in cpu_flags() else getattr(ops, f"bf16_mm_{isa}")
     return CpuKernels(path, reason or "asked for", q8_mm=getattr(ops, f"q8_mm_{path}"),
                       int4_mm=getattr(ops, f"int4_mm_{isa}"), q4_mm=getattr(ops, f"q4_mm_{path}"),
-                      q4k_mm=getattr(ops, f"q4k_mm_{path}") if path != "avx2" else None,
+                      q4k_mm=getattr(ops, f"q4k_mm_{path}"),
                       q5k_mm=getattr(ops, f"q5k_mm_{isa}"),
                       q6k_mm=getattr(ops, f"q6k_mm_{path}"),
                       bf16_mm=bf16,

@@ -10,6 +10,7 @@
 // a 2-core Zen 5 VM). The integers and float steps are the same, so the bits are too.
 #pragma once
 
+#include "decoding.h"
 #include "kernels.h"
 
 #include <algorithm>
@@ -21,23 +22,6 @@
 namespace tern {
 
 constexpr int kTileRows = 8;  // activation rows sharing each weight load
-
-// What a pass of a K-quant pair loop (q4k, q6k) does with its weights' decoded form: decode them and keep them for
-// the passes over the next rows (kKeep), decode them with no pass to follow (kDecode: one tile of rows, where the
-// stores would only cost), or load what the first pass kept (kLoad).
-enum class Decoding { kKeep, kDecode, kLoad };
-
-// One value of a pass's decoded weights: decode() on the first pass (kept in *slot where kKeep), *slot after.
-template <Decoding kDecoding, typename T, typename Decode>
-inline T decoded_value(T* slot, Decode decode) {
-  if constexpr (kDecoding == Decoding::kLoad) {
-    return *slot;
-  } else {
-    const T value = decode();
-    if constexpr (kDecoding == Decoding::kKeep) *slot = value;
-    return value;
-  }
-}
 
 template <int64_t kCols, int64_t kExtraBytes>
 struct TileLayout {

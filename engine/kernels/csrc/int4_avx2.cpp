@@ -14,9 +14,13 @@
 // per group dot = sum(q * xq) - 8 * sum(xq), exact, then one float step, q8's (acc += dot * (d * x_scale)).
 // The q4k layout (GGUF's Q4_K) has a loop of its own below: the same dots, summed per super-block in integers.
 #include "avx2.h"
+#include "decoding.h"
 #include "kernels.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
 
 namespace tern {
 namespace {
@@ -140,101 +144,144 @@ void groups(const Int4Problem& p, int64_t g0, int64_t g1) {
   }
 }
 
-// q4k (kernels.h: llama.cpp's Q4_K x Q8_K): out[m, rows n0..n0+7] for MB activation rows against one group. Per
-// super-block two passes, as the AVX512 kernel: the dots (vpmaddubsw pairs summed in int16, then vpmaddwd), each
-// row's isum += s_j * dot_j in integers and one float step; then the minimums as vpmaddwd over int16 pairs and the
-// second float step. The results wait in memory during the dots, which leaves registers for 4 rows a tile.
+// q4k (kernels.h: llama.cpp's Q4_K x Q8_K): one group of 8 rows against every activation row, a super-block at a
+// time, tiles of kQ4KTileRows rows within it. The first tile decodes the super-block (nibbles split, the 6-bit scales
+// and minimums unpacked: Q4KDecoded) and keeps it where more tiles follow; they load it. Decoding was 3 of every 8
+// instructions per tile when each tile did its own, and a load takes none of the ports vpmaddubsw needs.
+// Per sub-block j each row's 8 vpmaddubsw sum in int16 (at most 8 * 2 * 15 * 127 = 30,480); one vpmaddwd against
+// s_j in both halves of each lane widens them and weights them by s_j at once (a lane at most 2 * 30,480 * 63, a
+// super-block's 8 of them 30.7 million: int32), so isum = sum_j s_j * dot_j in integers and one float step follows.
+// Then the minimums as vpmaddwd over int16 pairs and the second float step: the AVX512 kernel's integers and steps,
+// so both give the same bits.
+// Activation rows sharing each weight load: 6 measured 1.00-1.04x, 8 spilled registers (0.84-0.95x).
 constexpr int kQ4KTileRows = 4;
 
-template <int MB>
-inline void q4k_group_rows(const Q4KProblem& p, int64_t m0, const uint8_t* w, int64_t n0, const uint8_t* prefetch) {
+struct Q4KDecoded {
+  __m256i nibbles[8][4][2];  // per sub-block j and register r, the low and the high nibbles as bytes
+  __m256i scale_pairs[8];    // s_j | s_j << 16 in each row's lane
+  __m256i minimum_pairs[4];  // m_2k | m_2k+1 << 16
+  __m256 d, negative_dmin;
+};
+
+// result[m][8] += rows m0..m0 + MB - 1's products with super-block s of a group (`super` its bytes).
+template <int MB, Decoding kDecoding>
+inline void q4k_super_rows(const Q4KProblem& p, int64_t m0, int64_t s, const uint8_t* super, Q4KDecoded& w,
+                           float (*result)[8]) {
   const QuantizedRows& q = *p.x;  // blocks of 256: q.blocks super-blocks, q.sums32 (int16) per 32 values
   const int64_t per_row = q.K / kInt4GroupCols;
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const __m256i fifteen = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3);
-  alignas(32) float result[MB][8] = {};
-  for (int64_t s = 0; s < q.blocks; ++s) {
-    const uint8_t* super = w + s * kQ4KSuperBytes;
-    if (prefetch)  // the next group's super-block, in step
-      for (int64_t line = 0; line < kQ4KSuperBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(prefetch + s * kQ4KSuperBytes + line), _MM_HINT_T0);
-    const __m256i top_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 32));  // s_j: 2j, m_j: 16 + 2j
-    __m256i top = top_bits;
-    __m256i isum[MB];
-    for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
+  const __m256i low = _mm256_set1_epi8(0x0F), fifteen = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3);
+  __m256i top;  // s_j's top bits at 2j, m_j's at 16 + 2j; shifted down as j goes
+  if constexpr (kDecoding != Decoding::kLoad) top = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 32));
+  __m256i isum[MB];
+  for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
 #pragma GCC unroll 1
-    for (int j = 0; j < 8; ++j) {
+  for (int j = 0; j < 8; ++j) {
+    const __m256i scale_pair = decoded_value<kDecoding>(&w.scale_pairs[j], [&] {
       const __m256i lows = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 64 + 8 * j)));
       const __m256i scale = _mm256_or_si256(_mm256_and_si256(lows, fifteen),
                                             _mm256_slli_epi32(_mm256_and_si256(top, three), 4));
       top = _mm256_srli_epi32(top, 2);
-      const uint8_t* wc = super + 128 + 128 * j;
-      const int64_t c = s * 8 + j;
-      __m256i sums[MB];
-      const int32_t* x[MB];
-      for (int m = 0; m < MB; ++m) {
-        sums[m] = _mm256_setzero_si256();
-        x[m] = reinterpret_cast<const int32_t*>(q.values + (m0 + m) * q.K + c * kInt4GroupCols);
-      }
-      for (int r = 0; r < 4; ++r) {
-        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32 * r));
-        const __m256i lo = _mm256_and_si256(packed, low);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-        for (int m = 0; m < MB; ++m) {
-          sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[m][2 * r])));
-          sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[m][2 * r + 1])));
-        }
-      }
-      for (int m = 0; m < MB; ++m)
-        isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(_mm256_madd_epi16(sums[m], ones), scale));
-    }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super)));
+      return _mm256_or_si256(scale, _mm256_slli_epi32(scale, 16));
+    });
+    const uint8_t* wc = super + 128 + 128 * j;
+    __m256i sums[MB];
+    const int32_t* x[MB];
     for (int m = 0; m < MB; ++m) {
-      const __m256 x_scale = _mm256_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
-      _mm256_store_ps(result[m], _mm256_add_ps(_mm256_load_ps(result[m]),
-                                               _mm256_mul_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, x_scale))));
+      sums[m] = _mm256_setzero_si256();
+      x[m] = reinterpret_cast<const int32_t*>(q.values + (m0 + m) * q.K + s * kQ4KSuperCols + j * kInt4GroupCols);
     }
-    // The minimums: per pair of sub-blocks (2k, 2k + 1) a lane's m_2k | m_2k+1 << 16 against the activations' two
-    // int16 sums, one vpmaddwd.
-    __m256i pairs[4];
-    for (int k = 0; k < 4; ++k) {
+    // Not unrolled: unrolled, gcc computed all 32 products first and spilled them.
+#pragma GCC unroll 1
+    for (int r = 0; r < 4; ++r) {
+      __m256i packed;
+      if constexpr (kDecoding != Decoding::kLoad) packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32 * r));
+      const __m256i lo = decoded_value<kDecoding>(&w.nibbles[j][r][0], [&] { return _mm256_and_si256(packed, low); });
+      const __m256i hi = decoded_value<kDecoding>(&w.nibbles[j][r][1],
+                                                  [&] { return _mm256_and_si256(_mm256_srli_epi16(packed, 4), low); });
+      for (int m = 0; m < MB; ++m) {
+        sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[m][2 * r])));
+        sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[m][2 * r + 1])));
+      }
+    }
+    for (int m = 0; m < MB; ++m) isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(sums[m], scale_pair));
+  }
+  const __m256 d = decoded_value<kDecoding>(&w.d, [&] {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super)));
+  });
+  for (int m = 0; m < MB; ++m) {
+    const __m256 x_scale = _mm256_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
+    _mm256_store_ps(result[m], _mm256_add_ps(_mm256_load_ps(result[m]),
+                                             _mm256_mul_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, x_scale))));
+  }
+  // The minimums: per pair of sub-blocks (2k, 2k + 1) a lane's m_2k | m_2k+1 << 16 against the activations' two
+  // int16 sums, one vpmaddwd.
+  __m256i pairs[4];
+  for (int k = 0; k < 4; ++k) {
+    pairs[k] = decoded_value<kDecoding>(&w.minimum_pairs[k], [&] {
+      const __m256i top_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 32));
       const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 64 + 16 * k)));
       const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 72 + 16 * k)));
       const __m256i m_first = _mm256_or_si256(_mm256_srli_epi32(first, 4),
           _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(top_bits, _mm_cvtsi32_si128(16 + 4 * k)), three), 4));
       const __m256i m_second = _mm256_or_si256(_mm256_srli_epi32(second, 4),
           _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(top_bits, _mm_cvtsi32_si128(18 + 4 * k)), three), 4));
-      pairs[k] = _mm256_or_si256(m_first, _mm256_slli_epi32(m_second, 16));
-    }
-    const __m256 negative_dmin = _mm256_xor_ps(
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 16))), _mm256_set1_ps(-0.0f));
-    for (int m = 0; m < MB; ++m) {
-      const int32_t* sums = reinterpret_cast<const int32_t*>(q.sums32 + (m0 + m) * per_row + s * 8);  // int16 pairs
-      __m256i msum = _mm256_madd_epi16(pairs[0], _mm256_set1_epi32(sums[0]));
-      for (int k = 1; k < 4; ++k) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs[k], _mm256_set1_epi32(sums[k])));
-      const __m256 x_scale = _mm256_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
-      _mm256_store_ps(result[m], _mm256_add_ps(_mm256_load_ps(result[m]),
-          _mm256_mul_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(negative_dmin, x_scale))));
-    }
+      return _mm256_or_si256(m_first, _mm256_slli_epi32(m_second, 16));
+    });
   }
-  for (int m = 0; m < MB; ++m) avx2::store8(p.out, (m0 + m) * p.N + n0, _mm256_load_ps(result[m]), p.out_bf16);
+  const __m256 negative_dmin = decoded_value<kDecoding>(&w.negative_dmin, [&] {
+    return _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 16))),
+                         _mm256_set1_ps(-0.0f));
+  });
+  for (int m = 0; m < MB; ++m) {
+    const int32_t* sums = reinterpret_cast<const int32_t*>(q.sums32 + (m0 + m) * per_row + s * 8);  // int16 pairs
+    __m256i msum = _mm256_madd_epi16(pairs[0], _mm256_set1_epi32(sums[0]));
+    for (int k = 1; k < 4; ++k) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs[k], _mm256_set1_epi32(sums[k])));
+    const __m256 x_scale = _mm256_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
+    _mm256_store_ps(result[m], _mm256_add_ps(_mm256_load_ps(result[m]),
+        _mm256_mul_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(negative_dmin, x_scale))));
+  }
+}
+
+// Calls body(std::integral_constant<int, MB>{}) for a tile of `rows` (at most kQ4KTileRows) rows.
+template <typename Body>
+inline void with_tile_rows(int64_t rows, Body body) {
+  switch (rows) {
+    case 1: body(std::integral_constant<int, 1>{}); break;
+    case 2: body(std::integral_constant<int, 2>{}); break;
+    case 3: body(std::integral_constant<int, 3>{}); break;
+    default: body(std::integral_constant<int, kQ4KTileRows>{}); break;
+  }
 }
 
 }  // namespace
 
 void q4k_groups_avx2(const Q4KProblem& p, int64_t g0, int64_t g1) {
   const int64_t group_stride = p.x->blocks * kQ4KSuperBytes;  // 8 rows, all of K
+  thread_local std::vector<float> results;  // [M][8]: each row's 8 outputs, summed over the super-blocks
+  alignas(32) thread_local Q4KDecoded decoded;
+  results.resize(p.M * 8 + 8);
+  // 32-byte aligned within the vector (its data is at least 16-byte aligned, floats 4 bytes)
+  float (*result)[8] = reinterpret_cast<float (*)[8]>(
+      reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(results.data()) + 31) & ~uintptr_t{31}));
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* wg = p.w + g * group_stride;
-    const uint8_t* next = g + 1 < g1 ? wg + group_stride : nullptr;
-    for (int64_t m = 0; m < p.M; m += kQ4KTileRows, next = nullptr) {
-      switch (std::min<int64_t>(kQ4KTileRows, p.M - m)) {
-        case 1: q4k_group_rows<1>(p, m, wg, g * kInt4GroupRows, next); break;
-        case 2: q4k_group_rows<2>(p, m, wg, g * kInt4GroupRows, next); break;
-        case 3: q4k_group_rows<3>(p, m, wg, g * kInt4GroupRows, next); break;
-        default: q4k_group_rows<kQ4KTileRows>(p, m, wg, g * kInt4GroupRows, next); break;
+    std::fill(result[0], result[0] + p.M * 8, 0.0f);
+    for (int64_t s = 0; s < p.x->blocks; ++s) {
+      const uint8_t* super = wg + s * kQ4KSuperBytes;
+      if (g + 1 < g1)  // the next group's super-block, in step (a group ahead hides the memory's latency)
+        for (int64_t line = 0; line < kQ4KSuperBytes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(super + group_stride + line), _MM_HINT_T0);
+      for (int64_t m = 0; m < p.M; m += kQ4KTileRows) {
+        with_tile_rows(std::min<int64_t>(kQ4KTileRows, p.M - m), [&](auto rows) {
+          constexpr int MB = decltype(rows)::value;
+          if (m > 0) q4k_super_rows<MB, Decoding::kLoad>(p, m, s, super, decoded, result + m);
+          else if (p.M <= kQ4KTileRows) q4k_super_rows<MB, Decoding::kDecode>(p, m, s, super, decoded, result + m);
+          else q4k_super_rows<MB, Decoding::kKeep>(p, m, s, super, decoded, result + m);
+        });
       }
     }
+    for (int64_t m = 0; m < p.M; ++m)
+      avx2::store8(p.out, m * p.N + g * kInt4GroupRows, _mm256_load_ps(result[m]), p.out_bf16);
   }
 }
 

@@ -105,7 +105,7 @@ def test_q4_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows):
 def test_q4k_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows):
     """GGUF's Q4_K in its own 144 bytes per 256 values: int4's arithmetic, each block's scale and minimum the
     exact products of its super-block's d and dmin with 6-bit integers (every top-bit combination drawn)."""
-    q4k_mm = require(_q4k_kernel(path_kernels), "q4k")
+    q4k_mm = require(path_kernels.q4k_mm, "q4k")
     for n, k in [(8, 256), (24, 512), (112, 768), (576, 1536)]:
         x, parts = _q4k_case(rows, n, k, dtype, seed=rows)
         out = q4k_mm(x, layouts.pack_q4k(*parts))
@@ -119,7 +119,7 @@ def test_q4k_kernel_is_exact_at_the_largest_integers(path_kernels, rows):
     integer sum near its bound (31M, past what fp32 holds exactly), where a kernel summing it in floats would
     round (the AMX kernel sums four sub-blocks at a time in fp32, exact below 2^24, and from 32 rows a whole
     super-block in int32 tiles, its scales split in two parts)."""
-    q4k_mm = require(_q4k_kernel(path_kernels), "q4k")
+    q4k_mm = require(path_kernels.q4k_mm, "q4k")
     generator = torch.Generator().manual_seed(7)
     n, k = 32, 512
     q = torch.randint(14, 16, (n, k), dtype=torch.uint8, generator=generator)
@@ -129,6 +129,22 @@ def test_q4k_kernel_is_exact_at_the_largest_integers(path_kernels, rows):
     x = torch.ones(rows, k) + torch.randint(0, 2, (rows, k), generator=generator) * 1e-2  # quantize to 125-127
     parts = (q, scale, minimum, d, dmin)
     assert torch.equal(q4k_mm(x, layouts.pack_q4k(*parts)), reference.q4k_matmul(x, *parts))
+
+
+@pytest.mark.parametrize("rows", [1, 16, 48])
+def test_q6k_kernel_is_exact_at_the_largest_integers(path_kernels, rows):
+    """Activations at full scale (both signs) against 6-bit values at their ends and scales of -128 and 127: each
+    register's int16 pair sums at their bound (2 * 2 * 63 * 127, where a third product would saturate), each
+    super-block's integer near its own (134M, far past what fp32 holds exactly)."""
+    q6k_mm = require(path_kernels.q6k_mm, "q6k")
+    generator = torch.Generator().manual_seed(11)
+    n, k = 32, 512
+    q = torch.where(torch.rand(n, k, generator=generator) < 0.9, 63, 0).to(torch.uint8)
+    scale = torch.where(torch.rand(n, k // 16, generator=generator) < 0.5, -128, 127).to(torch.int8)
+    d = torch.full((n, k // 256), 1e-3).half()
+    x = torch.ones(rows, k) * torch.where(torch.rand(rows, 1, generator=generator) < 0.5, 1.0, -1.0)
+    x = x + torch.randint(0, 2, (rows, k), generator=generator) * 1e-2  # quantize to +-125..127
+    assert torch.equal(q6k_mm(x, layouts.pack_q6k(q, scale, d)), reference.q6k_matmul(x, q, scale, d))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -158,14 +174,6 @@ def test_q5k_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows):
         assert torch.equal(out, reference.q5k_matmul(x, *parts)), (n, k)
 
 
-def _q4k_kernel(path_kernels):
-    """The path's q4k kernel; on AVX2, which serves Q4_K in int4, the AVX2 one all the same: it computes the
-    AVX512 kernel's odd group of 8 rows."""
-    if path_kernels.path == "avx2":
-        return torch.ops.tern.q4k_mm_avx2
-    return path_kernels.q4k_mm
-
-
 def test_a_row_gets_the_same_bits_alone_as_in_any_batch(path_kernels):
     """What makes a sequence's tokens independent of the other sequences sharing its steps."""
     q8_mm, int4_mm = require(path_kernels.q8_mm, "q8"), require(path_kernels.int4_mm, "int4")
@@ -175,7 +183,7 @@ def test_a_row_gets_the_same_bits_alone_as_in_any_batch(path_kernels):
     packed4, packed_q8, packed_q4 = layouts.pack_int4(q, d, m), layouts.pack_q8(q8, d8), layouts.pack_q4(q, d)
     batch4, batch_q8, batch_q4 = int4_mm(x, packed4), q8_mm(x, packed_q8), q4_mm(x, packed_q4)
     _, parts = _q4k_case(37, 112, 512, torch.float32)
-    q4k_mm, packed_q4k = require(_q4k_kernel(path_kernels), "q4k"), layouts.pack_q4k(*parts)
+    q4k_mm, packed_q4k = require(path_kernels.q4k_mm, "q4k"), layouts.pack_q4k(*parts)
     batch_q4k = q4k_mm(x[:, :512], packed_q4k)
     _, parts6 = _q6k_case(37, 112, 512, torch.float32)
     q6k_mm, packed_q6k = require(path_kernels.q6k_mm, "q6k"), layouts.pack_q6k(*parts6)

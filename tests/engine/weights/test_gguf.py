@@ -419,8 +419,7 @@ def test_a_quantized_gguf_takes_the_files_size_in_memory(tmp_path, name):
         # Q4_0 is served in its own 18 bytes per 32 values (q4), Q4_K in its 144 per 256 (q4k), Q5_K in its 176 per
         # 256 (q5k), Q6_K in its 210 per 256 (q6k), a Q4_K_M (Q5_K_M) file's qkv as its parts (q4k (q5k) and q6k
         # side by side), and the norms as the file's float32. Without Tern's kernels (TERN_CPU_KERNELS=off) aten's
-        # int4pack holds its own copies of the 4-bit layers, and Q5_K and Q6_K go into q8; on AVX2 Q4_K goes into
-        # int4.
+        # int4pack holds its own copies of the 4-bit layers, and Q5_K and Q6_K go into q8.
         tensor_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
         kernels = engine.loaded.kernels
         needed = {"Q4_0": [kernels.q4_mm], "Q4_K": [kernels.q4k_mm], "Q5_K": [kernels.q5k_mm], "Q6_K": [kernels.q6k_mm],
