@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace tern::attention {
@@ -68,20 +69,34 @@ inline typename V::Reg map_row(float* row, int64_t n, typename V::Reg total, F f
 // A thread's working memory, reused by every pair it attends to.
 struct Scratch {
   std::vector<float> query, scores, acc, sums;
+  std::vector<float> keys, values;  // a prompt tile's context widened from a bf16 cache (attend)
+  std::vector<int64_t> positions;   // 0, 1, 2, ...: the widened rows' slots
 };
+
+// Rows slots[0..n) of a cache (row_stride apart, D values each, from `cache`) as float32 rows one after another.
+template <class V, typename C>
+inline void widen_rows(const C* cache, const int64_t* slots, int64_t n, int64_t row_stride, int64_t D,
+                       std::vector<float>& out) {
+  out.resize(n * D);
+  for (int64_t l = 0; l < n; ++l) {
+    if (l + kPrefetch < n) prefetch_row(cache + slots[l + kPrefetch] * row_stride, D);
+    for (int64_t i = 0; i < D; i += V::kLanes) V::store(&out[l * D + i], V::load(cache + slots[l] * row_stride + i));
+  }
+}
 
 // Heads [0, HB) x registers [j0, j0 + JB) of a row's weighted values: acc[h][j] = sum over positions l < n, in
 // order, of score[h][l] * value[l][j], kept in registers over all the positions (HB * JB of them), each value read
 // once for the HB heads. Each sum is the fused multiply-adds from zero that the order of positions gives, so the
-// bits do not depend on how the heads and registers are blocked.
+// bits do not depend on how the heads and registers are blocked. From l0 > 0 the sums go on from acc (positions
+// [0, l0) summed there before: the same multiply-adds in the same order, so the same bits).
 template <class V, int HB, int JB, typename T>
 inline void weigh_block(const T* v_cache, const int64_t* slots, int64_t row_stride, const float* scores,
-                        int64_t score_stride, int64_t n, int64_t j0, float* acc, int64_t D) {
+                        int64_t score_stride, int64_t l0, int64_t n, int64_t j0, float* acc, int64_t D) {
   using Reg = typename V::Reg;
   Reg sums[HB][JB];
   for (int h = 0; h < HB; ++h)
-    for (int j = 0; j < JB; ++j) sums[h][j] = V::zero();
-  for (int64_t l = 0; l < n; ++l) {
+    for (int j = 0; j < JB; ++j) sums[h][j] = l0 == 0 ? V::zero() : V::load(acc + h * D + (j0 + j) * V::kLanes);
+  for (int64_t l = l0; l < n; ++l) {
     if (l + kPrefetch < n) prefetch_row(v_cache + slots[l + kPrefetch] * row_stride + j0 * V::kLanes, JB * V::kLanes);
     const T* value = v_cache + slots[l] * row_stride + j0 * V::kLanes;
     Reg score[HB];
@@ -97,21 +112,22 @@ inline void weigh_block(const T* v_cache, const int64_t* slots, int64_t row_stri
 
 template <class V, int JB, typename T>
 inline void weigh_heads(int64_t heads, const T* v_cache, const int64_t* slots, int64_t row_stride,
-                        const float* scores, int64_t score_stride, int64_t n, int64_t j0, float* acc, int64_t D) {
+                        const float* scores, int64_t score_stride, int64_t l0, int64_t n, int64_t j0, float* acc,
+                        int64_t D) {
   switch (heads) {  // at most kMaxBlockHeads
-    case 1: return weigh_block<V, 1, JB>(v_cache, slots, row_stride, scores, score_stride, n, j0, acc, D);
-    case 2: return weigh_block<V, 2, JB>(v_cache, slots, row_stride, scores, score_stride, n, j0, acc, D);
-    case 3: return weigh_block<V, 3, JB>(v_cache, slots, row_stride, scores, score_stride, n, j0, acc, D);
-    default: return weigh_block<V, 4, JB>(v_cache, slots, row_stride, scores, score_stride, n, j0, acc, D);
+    case 1: return weigh_block<V, 1, JB>(v_cache, slots, row_stride, scores, score_stride, l0, n, j0, acc, D);
+    case 2: return weigh_block<V, 2, JB>(v_cache, slots, row_stride, scores, score_stride, l0, n, j0, acc, D);
+    case 3: return weigh_block<V, 3, JB>(v_cache, slots, row_stride, scores, score_stride, l0, n, j0, acc, D);
+    default: return weigh_block<V, 4, JB>(v_cache, slots, row_stride, scores, score_stride, l0, n, j0, acc, D);
   }
 }
 
-// A row's G heads' weighted values (acc[h * D ..], their scores at scores[h * score_stride ..], n positions), in
+// G heads' weighted values over positions [l0, n) (acc[h * D ..], their scores at scores[h * score_stride ..]), in
 // blocks of heads and registers that fit the register file: V::kAccumulators sums at a time.
 constexpr int64_t kMaxBlockHeads = 4;
 template <class V, typename T>
 void weigh_values(const T* v_cache, const int64_t* slots, int64_t row_stride, const float* scores,
-                  int64_t score_stride, int64_t n, int64_t G, int64_t D, float* acc) {
+                  int64_t score_stride, int64_t l0, int64_t n, int64_t G, int64_t D, float* acc) {
   const int64_t vectors = D / V::kLanes;
   const int64_t JB = vectors % 8 == 0 && V::kAccumulators >= 16 ? 8 : vectors % 4 == 0 ? 4 : vectors % 2 == 0 ? 2 : 1;
   const int64_t block_heads = std::min<int64_t>(kMaxBlockHeads, std::max<int64_t>(V::kAccumulators / JB, 1));
@@ -120,10 +136,10 @@ void weigh_values(const T* v_cache, const int64_t* slots, int64_t row_stride, co
     for (int64_t j0 = 0; j0 < vectors; j0 += JB) {
       const float* s = scores + h * score_stride;
       float* a = acc + h * D;
-      if (JB == 8) weigh_heads<V, 8>(heads, v_cache, slots, row_stride, s, score_stride, n, j0, a, D);
-      else if (JB == 4) weigh_heads<V, 4>(heads, v_cache, slots, row_stride, s, score_stride, n, j0, a, D);
-      else if (JB == 2) weigh_heads<V, 2>(heads, v_cache, slots, row_stride, s, score_stride, n, j0, a, D);
-      else weigh_heads<V, 1>(heads, v_cache, slots, row_stride, s, score_stride, n, j0, a, D);
+      if (JB == 8) weigh_heads<V, 8>(heads, v_cache, slots, row_stride, s, score_stride, l0, n, j0, a, D);
+      else if (JB == 4) weigh_heads<V, 4>(heads, v_cache, slots, row_stride, s, score_stride, l0, n, j0, a, D);
+      else if (JB == 2) weigh_heads<V, 2>(heads, v_cache, slots, row_stride, s, score_stride, l0, n, j0, a, D);
+      else weigh_heads<V, 1>(heads, v_cache, slots, row_stride, s, score_stride, l0, n, j0, a, D);
     }
   }
 }
@@ -210,10 +226,14 @@ void attend_tile(const T* q, int64_t q_row_stride, const C* k_cache, const C* v_
         row, n, V::zero(), [&](Reg s) { return V::exp(V::sub(s, max_v)); }, add)));
     map_row<V>(row, n, V::zero(), [&](Reg e) { return V::div(e, sum); }, add);
   }
-  // Each row's heads' sums in registers over its own positions (weigh_values), as a decode row's: a prompt's tile
-  // reads its values once per row, from cache after the first.
-  for (int64_t r = 0; r < R; ++r)
-    weigh_values<V>(v_cache, slots, row_stride, &scores[r * G * length], length, lengths[r], G, D, &acc[r * G * D]);
+  // Each (row, head)'s sums in registers over its own positions, in order, as a decode row's (weigh_values). The
+  // positions every row of the tile reaches (its first row's, the shortest) are weighed for all of its R * G heads
+  // together, each value read once for a block of heads of any rows; then each row's last few on their own.
+  weigh_values<V>(v_cache, slots, row_stride, scores.data(), length, 0, lengths[0], heads, D, acc.data());
+  for (int64_t r = 1; r < R; ++r)
+    if (lengths[r] > lengths[0])
+      weigh_values<V>(v_cache, slots, row_stride, &scores[r * G * length], length, lengths[0], lengths[r], G, D,
+                      &acc[r * G * D]);
   if (round_like_bf16)
     for (int64_t head = 0; head < heads; ++head)
       for (int64_t j = 0; j < D; ++j) acc[head * D + j] /= sums[head];
@@ -239,6 +259,22 @@ void attend(const AttentionProblem& p, int64_t task0, int64_t task1) {
     const int64_t b0 = p.tiles[tile], rows = p.tiles[tile + 1] - b0, last = b0 + rows - 1;
     lengths.resize(rows);
     for (int64_t r = 0; r < rows; ++r) lengths[r] = std::min(p.lengths[b0 + r], p.L);
+    if constexpr (!std::is_same_v<C, float>) {
+      // A prompt's tile reads each key for all its R * G heads and each value for every block of them: from a bf16
+      // cache each read widened it again (two instructions a register, as many as the multiply-adds it fed). So the
+      // tile's context is widened once here (exactly: bf16 is the top half of a float32), and read as float32.
+      if (rows > 1) {
+        const int64_t length = lengths[rows - 1], row_stride = p.Hkv * p.D;
+        widen_rows<V>(k + h * p.D, p.slots + last * p.L, length, row_stride, p.D, scratch.keys);
+        widen_rows<V>(v + h * p.D, p.slots + last * p.L, length, row_stride, p.D, scratch.values);
+        scratch.positions.resize(length);
+        for (int64_t l = 0; l < length; ++l) scratch.positions[l] = l;
+        attend_tile<V, T, float>(q + (b0 * p.H + h * G) * p.D, p.H * p.D, scratch.keys.data(), scratch.values.data(),
+                                 scratch.positions.data(), lengths.data(), rows, p.D, G, p.D, p.scale, p.bf16,
+                                 out + (b0 * p.H + h * G) * p.D, p.H * p.D, scratch);
+        continue;
+      }
+    }
     attend_tile<V, T, C>(q + (b0 * p.H + h * G) * p.D, p.H * p.D, k + h * p.D, v + h * p.D, p.slots + last * p.L,
                       lengths.data(), rows, p.Hkv * p.D, G, p.D, p.scale, p.bf16, out + (b0 * p.H + h * G) * p.D,
                       p.H * p.D, scratch);

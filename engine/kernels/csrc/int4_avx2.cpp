@@ -184,24 +184,28 @@ inline void q4k_super_rows(const Q4KProblem& p, int64_t m0, int64_t s, const uin
       return _mm256_or_si256(scale, _mm256_slli_epi32(scale, 16));
     });
     const uint8_t* wc = super + 128 + 128 * j;
-    __m256i sums[MB];
     const int32_t* x[MB];
-    for (int m = 0; m < MB; ++m) {
-      sums[m] = _mm256_setzero_si256();
+    for (int m = 0; m < MB; ++m)
       x[m] = reinterpret_cast<const int32_t*>(q.values + (m0 + m) * q.K + s * kQ4KSuperCols + j * kInt4GroupCols);
-    }
-    // Not unrolled: unrolled, gcc computed all 32 products first and spilled them.
-#pragma GCC unroll 1
-    for (int r = 0; r < 4; ++r) {
+    // Register r's low and high nibbles times each row's activations, summed in int16 pairs.
+    const auto products = [&](int r, __m256i (&pairs)[MB]) {
       __m256i packed;
       if constexpr (kDecoding != Decoding::kLoad) packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32 * r));
       const __m256i lo = decoded_value<kDecoding>(&w.nibbles[j][r][0], [&] { return _mm256_and_si256(packed, low); });
       const __m256i hi = decoded_value<kDecoding>(&w.nibbles[j][r][1],
                                                   [&] { return _mm256_and_si256(_mm256_srli_epi16(packed, 4), low); });
-      for (int m = 0; m < MB; ++m) {
-        sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[m][2 * r])));
-        sums[m] = _mm256_add_epi16(sums[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[m][2 * r + 1])));
-      }
+      for (int m = 0; m < MB; ++m)
+        pairs[m] = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[m][2 * r])),
+                                    _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[m][2 * r + 1])));
+    };
+    __m256i sums[MB];
+    products(0, sums);  // the first register's products start the sums: no add to zero
+    // Not unrolled: unrolled, gcc computed all 32 products first and spilled them.
+#pragma GCC unroll 1
+    for (int r = 1; r < 4; ++r) {
+      __m256i pairs[MB];
+      products(r, pairs);
+      for (int m = 0; m < MB; ++m) sums[m] = _mm256_add_epi16(sums[m], pairs[m]);
     }
     for (int m = 0; m < MB; ++m) isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(sums[m], scale_pair));
   }

@@ -124,18 +124,20 @@ def test_engine_decodes_the_same_tokens_with_the_attention_kernel_as_with_its_ma
             assert abs(ours.logprobs[position].logprob - twin.logprobs[position].logprob) <= tie
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_prompt_attended_as_decode_rows_gets_the_bits_each_row_gets_alone(path_kernels, dtype):
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                               (torch.float32, torch.bfloat16)])
+def test_a_prompt_attended_as_decode_rows_gets_the_bits_each_row_gets_alone(path_kernels, dtype, cache_dtype):
     """A prompt run as decode rows (one row per position, each attending to the positions up to its own: how the
-    native step prefills) is served in tiles that read each key once. Each row's output must still be the exact bits
-    that attending that row alone gives, which is what decoding that token computes: so a prompt token's logprob
-    is the one it gets when generated. Two prompts of 37 and 21 rows (tiles of 16 and partial ones) between
-    decode rows of other sequences."""
+    native step prefills) is served in tiles that read each key once (from a bf16 cache, widened once per tile).
+    Each row's output must still be the exact bits that attending that row alone gives, which is what decoding that
+    token computes: so a prompt token's logprob is the one it gets when generated. Two prompts of 37 and 21 rows
+    (tiles of 16 and partial ones) between decode rows of other sequences; float32 queries over a bf16 cache are
+    the engine's `--kv-cache-dtype bfloat16` on a float32 model."""
     attend = require_op(path_kernels.decode_attention, "decode attention")
     generator = torch.Generator().manual_seed(7)
     slots, heads, kv_heads, dim = 1024, 9, 3, 64
-    k_cache = torch.randn(slots, kv_heads, dim, generator=generator).to(dtype)
-    v_cache = torch.randn(slots, kv_heads, dim, generator=generator).to(dtype)
+    k_cache = torch.randn(slots, kv_heads, dim, generator=generator).to(cache_dtype)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=generator).to(cache_dtype)
     order = torch.randperm(slots, generator=generator)
     first, second, other = order[:60], order[60:90], order[90:]
     rows = [(other[:50], 50)]  # a decode row of another sequence
@@ -150,6 +152,7 @@ def test_a_prompt_attended_as_decode_rows_gets_the_bits_each_row_gets_alone(path
     for b in range(len(rows)):
         alone = attend(q[b:b + 1], k_cache, v_cache, context_slots[b:b + 1], context_lens[b:b + 1], dim**-0.5)
         assert torch.equal(alone[0], together[b]), b
-    expected = _matmul_decode_attention(q, k_cache, v_cache, context_slots, context_lens, dim**-0.5)
+    widened = (k_cache, v_cache) if dtype == cache_dtype else (k_cache.float(), v_cache.float())
+    expected = _matmul_decode_attention(q, *widened, context_slots, context_lens, dim**-0.5)
     tolerance = 2**-7 if dtype == torch.bfloat16 else 1e-5
     assert torch.allclose(together.float(), expected.float(), rtol=tolerance, atol=tolerance)
