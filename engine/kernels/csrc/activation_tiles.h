@@ -70,18 +70,8 @@ struct TileLayout {
 // Calls body(std::integral_constant<int, MB>{}, m) for each tile of rows [m0, M): MB its row count, m its first row.
 template <typename Body>
 inline void for_each_tile(int64_t m0, int64_t M, Body body) {
-  for (int64_t m = m0; m < M; m += kTileRows) {
-    switch (std::min<int64_t>(kTileRows, M - m)) {
-      case 1: body(std::integral_constant<int, 1>{}, m); break;
-      case 2: body(std::integral_constant<int, 2>{}, m); break;
-      case 3: body(std::integral_constant<int, 3>{}, m); break;
-      case 4: body(std::integral_constant<int, 4>{}, m); break;
-      case 5: body(std::integral_constant<int, 5>{}, m); break;
-      case 6: body(std::integral_constant<int, 6>{}, m); break;
-      case 7: body(std::integral_constant<int, 7>{}, m); break;
-      default: body(std::integral_constant<int, kTileRows>{}, m); break;
-    }
-  }
+  for (int64_t m = m0; m < M; m += kTileRows)
+    with_rows<kTileRows>(std::min<int64_t>(kTileRows, M - m), [&](auto rows) { body(rows, m); });
 }
 
 // int4's, q4's and q8's activations per block of 32: the integer each dot starts from (start_factor * sum: q4 -8,

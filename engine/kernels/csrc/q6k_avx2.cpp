@@ -19,7 +19,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 namespace tern {
@@ -117,39 +116,22 @@ inline void super_rows(const Q6KProblem& p, int64_t m0, int64_t s, const uint8_t
 
 void q6k_groups_avx2(const Q6KProblem& p, int64_t g0, int64_t g1) {
   const int64_t group_stride = p.x->blocks * kQ6KSuperBytes;  // 8 rows, all of K
-  thread_local std::vector<float> results;  // [M][8]: each row's 8 outputs, summed over the super-blocks
-  alignas(32) thread_local Q6KDecoded decoded;
-  results.resize(p.M * 8 + 8);
-  // 32-byte aligned within the vector (its data is at least 16-byte aligned, floats 4 bytes)
-  float (*result)[8] = reinterpret_cast<float (*)[8]>(
-      reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(results.data()) + 31) & ~uintptr_t{31}));
+  thread_local std::vector<__m256> results;  // per activation row its 8 outputs, summed over the super-blocks
+  thread_local Q6KDecoded decoded;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* wg = p.w + g * group_stride;
-    std::fill(result[0], result[0] + p.M * 8, 0.0f);
+    results.assign(p.M, _mm256_setzero_ps());
+    float (*result)[8] = reinterpret_cast<float (*)[8]>(results.data());
     for (int64_t s = 0; s < p.x->blocks; ++s) {
       const uint8_t* super = wg + s * kQ6KSuperBytes;
       if (g + 1 < g1)  // the next group's super-block, in step (a group ahead hides the memory's latency)
         for (int64_t line = 0; line < kQ6KSuperBytes; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(super + group_stride + line), _MM_HINT_T0);
-      for (int64_t m = 0; m < p.M; m += kTileRows) {
-        const auto tile = [&](auto rows) {
-          constexpr int MB = decltype(rows)::value;
-          if (m > 0) super_rows<MB, Decoding::kLoad>(p, m, s, super, decoded, result + m);
-          else if (p.M <= kTileRows) super_rows<MB, Decoding::kDecode>(p, m, s, super, decoded, result + m);
-          else super_rows<MB, Decoding::kKeep>(p, m, s, super, decoded, result + m);
-        };
-        switch (std::min<int64_t>(kTileRows, p.M - m)) {
-          case 1: tile(std::integral_constant<int, 1>{}); break;
-          case 2: tile(std::integral_constant<int, 2>{}); break;
-          case 3: tile(std::integral_constant<int, 3>{}); break;
-          case 4: tile(std::integral_constant<int, 4>{}); break;
-          case 5: tile(std::integral_constant<int, 5>{}); break;
-          default: tile(std::integral_constant<int, kTileRows>{}); break;
-        }
-      }
+      for_each_decoded_tile<kTileRows>(p.M, [&](auto rows, auto decoding, int64_t m) {
+        super_rows<decltype(rows)::value, decltype(decoding)::value>(p, m, s, super, decoded, result + m);
+      });
     }
-    for (int64_t m = 0; m < p.M; ++m)
-      avx2::store8(p.out, m * p.N + g * kInt4GroupRows, _mm256_load_ps(result[m]), p.out_bf16);
+    for (int64_t m = 0; m < p.M; ++m) avx2::store8(p.out, m * p.N + g * kInt4GroupRows, results[m], p.out_bf16);
   }
 }
 

@@ -1,0 +1,67 @@
+"""The int8 multiply-add ceiling of this CPU's AVX2 units: what Tern's AVX2 kernels (and llama.cpp's) can reach at
+most, to set their GMAC/s against (bench/kernels.py --stack 1b --path avx2).
+
+    .venv/bin/python bench/avx2_ceiling.py [--cores 2]
+
+AVX2 has no int8 dot-product instruction that accumulates (AVX-VNNI's vpdpbusd is not in the AVX2-only CPUs this is
+for), so an int8 matmul's inner loop is vpmaddubsw (32 byte products summed in int16 pairs) and an add that gathers
+the pairs: no fewer than one add per vpmaddubsw. Measured here with g++ on a few lines of inline assembly, each
+timed on one core over 10^8 iterations (independent registers, no memory):
+- the clock, from a chain of dependent 64-bit multiplies (3 cycles each on every x86 core of the last decade);
+- vpmaddubsw alone, per cycle;
+- vpmaddubsw + vpaddw pairs, per cycle: the loop's ceiling; times 32 multiply-adds, the cycles' and cores' count.
+A kernel also unpacks its weights and applies each block's scales, so it stays below that ceiling.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE = r"""
+#include <stdio.h>
+#include <time.h>
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+#define M(d) "vpmaddubsw %%ymm15, %%ymm14, %%ymm" #d "\n"
+#define A(s, d) "vpaddw %%ymm" #s ", %%ymm" #d ", %%ymm" #d "\n"
+#define CLOBBER "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13"
+int main(void) {
+  const long n = 100000000;
+  long x = 3;
+  double t = now();
+  for (long i = 0; i < n; i++) __asm__ volatile("imul %0, %0\n imul %0, %0\n imul %0, %0\n imul %0, %0" : "+r"(x));
+  const double ghz = 12.0 * n / (now() - t) / 1e9;
+  t = now();
+  for (long i = 0; i < n; i++) __asm__ volatile(M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) ::: CLOBBER);
+  const double alone = 8.0 * n / (now() - t) / 1e9 / ghz;
+  t = now();
+  for (long i = 0; i < n; i++)
+    __asm__ volatile(M(0) M(1) M(2) M(3) A(0, 8) A(1, 9) A(2, 10) A(3, 11)
+                     M(4) M(5) M(6) M(7) A(4, 12) A(5, 13) A(6, 8) A(7, 9) ::: CLOBBER);
+  const double pairs = 8.0 * n / (now() - t) / 1e9 / ghz;
+  printf("%.3f %.3f %.3f\n", ghz, alone, pairs);
+  return 0;
+}
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cores", type=int, default=os.cpu_count())
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        source, binary = Path(folder) / "ceiling.c", Path(folder) / "ceiling"
+        source.write_text(SOURCE)
+        subprocess.run(["gcc", "-O2", "-mavx2", "-o", str(binary), str(source)], check=True)
+        ghz, alone, pairs = map(float, subprocess.run([str(binary)], check=True, capture_output=True,
+                                                      text=True).stdout.split())
+    per_core = 32 * pairs
+    print(f"clock {ghz:.2f} GHz; vpmaddubsw {alone:.2f} a cycle alone, {pairs:.2f} a cycle with a vpaddw each")
+    print(f"int8 ceiling: {per_core:.1f} multiply-adds a cycle a core, {per_core * ghz * args.cores:.0f} GMAC/s "
+          f"on {args.cores} cores")
+
+
+if __name__ == "__main__":
+    main()
