@@ -112,8 +112,8 @@ class _LayerBuilder:
 
     def _layout(self, name: str) -> str | None:
         """The layout the source's blocks of this tensor go into as they are: q4k only where a kernel serves it
-        (its batches are slower than int4's on AVX2: engine/kernels/README.md), else Q4_K goes into int4; q5k and
-        q6k only where a kernel serves them, else none (Q5_K and Q6_K are re-quantized into q8)."""
+        (every path but `off`), else Q4_K goes into int4; q5k and q6k only where a kernel serves them, else none (Q5_K
+        and Q6_K are re-quantized into q8)."""
         layout = self.source.layout(name)
         if (layout == "q5k" and not self.q5k) or (layout == "q6k" and not self.q6k):
             return None
