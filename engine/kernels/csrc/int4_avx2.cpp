@@ -16,10 +16,10 @@
 #include "avx2.h"
 #include "decoding.h"
 #include "kernels.h"
+#include "super_blocks_avx2.h"
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 namespace tern {
 namespace {
@@ -248,24 +248,11 @@ inline void q4k_super_rows(const Q4KProblem& p, int64_t m0, int64_t s, const uin
 }  // namespace
 
 void q4k_groups_avx2(const Q4KProblem& p, int64_t g0, int64_t g1) {
-  const int64_t group_stride = p.x->blocks * kQ4KSuperBytes;  // 8 rows, all of K
-  thread_local std::vector<__m256> results;  // per activation row its 8 outputs, summed over the super-blocks
   thread_local Q4KDecoded decoded;
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* wg = p.w + g * group_stride;
-    results.assign(p.M, _mm256_setzero_ps());
-    float (*result)[8] = reinterpret_cast<float (*)[8]>(results.data());
-    for (int64_t s = 0; s < p.x->blocks; ++s) {
-      const uint8_t* super = wg + s * kQ4KSuperBytes;
-      if (g + 1 < g1)  // the next group's super-block, in step (a group ahead hides the memory's latency)
-        for (int64_t line = 0; line < kQ4KSuperBytes; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(super + group_stride + line), _MM_HINT_T0);
-      for_each_decoded_tile<kQ4KTileRows>(p.M, [&](auto rows, auto decoding, int64_t m) {
-        q4k_super_rows<decltype(rows)::value, decltype(decoding)::value>(p, m, s, super, decoded, result + m);
-      });
-    }
-    for (int64_t m = 0; m < p.M; ++m) avx2::store8(p.out, m * p.N + g * kInt4GroupRows, results[m], p.out_bf16);
-  }
+  const auto tile = [&](auto rows, auto decoding, int64_t m, int64_t s, const uint8_t* super, float (*result)[8]) {
+    q4k_super_rows<decltype(rows)::value, decltype(decoding)::value>(p, m, s, super, decoded, result);
+  };
+  walk_super_blocks<kQ4KTileRows, kQ4KSuperBytes>(p, g0, g1, tile);
 }
 
 void int4_groups_avx2(const Int4Problem& p, int64_t g0, int64_t g1) { groups<false>(p, g0, g1); }
