@@ -1,6 +1,7 @@
 // How a pass of a loop over activation rows takes a weight block's decoded form (split nibbles, unpacked scales):
 // the pair loops of the AVX512 kernels (activation_tiles.h) and the AVX2 q4k and q6k loops decode a block once for
-// all their tiles of rows, where decoding it again for each tile cost more instructions than the multiplies.
+// all their tiles of rows, where decoding it again for each tile took instructions from the ports the multiplies
+// need (a load takes none of them).
 #pragma once
 
 #include <algorithm>
