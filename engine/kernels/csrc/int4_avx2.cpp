@@ -16,6 +16,7 @@
 #include "avx2.h"
 #include "decoding.h"
 #include "kernels.h"
+#include "kquant_avx2.h"
 #include "super_blocks_avx2.h"
 
 #include <algorithm>
@@ -211,37 +212,20 @@ inline void q4k_super_rows(const Q4KProblem& p, int64_t m0, int64_t s, const uin
   const __m256 d = decoded_value<kDecoding>(&w.d, [&] {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super)));
   });
-  for (int m = 0; m < MB; ++m) {
-    const __m256 x_scale = _mm256_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
-    _mm256_store_ps(result[m], _mm256_add_ps(_mm256_load_ps(result[m]),
-                                             _mm256_mul_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, x_scale))));
-  }
+  for (int m = 0; m < MB; ++m) kquant::add_scaled(result[m], isum[m], d, q.scales[(m0 + m) * q.blocks + s]);
   // The minimums: per pair of sub-blocks (2k, 2k + 1) a lane's m_2k | m_2k+1 << 16 against the activations' two
   // int16 sums, one vpmaddwd.
   __m256i pairs[4];
-  for (int k = 0; k < 4; ++k) {
+  for (int k = 0; k < 4; ++k)
     pairs[k] = decoded_value<kDecoding>(&w.minimum_pairs[k], [&] {
-      const __m256i top_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 32));
-      const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 64 + 16 * k)));
-      const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 72 + 16 * k)));
-      const __m256i m_first = _mm256_or_si256(_mm256_srli_epi32(first, 4),
-          _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(top_bits, _mm_cvtsi32_si128(16 + 4 * k)), three), 4));
-      const __m256i m_second = _mm256_or_si256(_mm256_srli_epi32(second, 4),
-          _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(top_bits, _mm_cvtsi32_si128(18 + 4 * k)), three), 4));
-      return _mm256_or_si256(m_first, _mm256_slli_epi32(m_second, 16));
+      return kquant::minimum_pair(super, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 32)), k);
     });
-  }
-  const __m256 negative_dmin = decoded_value<kDecoding>(&w.negative_dmin, [&] {
-    return _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 16))),
-                         _mm256_set1_ps(-0.0f));
-  });
+  const __m256 negative_dmin = decoded_value<kDecoding>(&w.negative_dmin, [&] { return kquant::negative_dmin(super); });
   for (int m = 0; m < MB; ++m) {
     const int32_t* sums = reinterpret_cast<const int32_t*>(q.sums32 + (m0 + m) * per_row + s * 8);  // int16 pairs
     __m256i msum = _mm256_madd_epi16(pairs[0], _mm256_set1_epi32(sums[0]));
     for (int k = 1; k < 4; ++k) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs[k], _mm256_set1_epi32(sums[k])));
-    const __m256 x_scale = _mm256_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
-    _mm256_store_ps(result[m], _mm256_add_ps(_mm256_load_ps(result[m]),
-        _mm256_mul_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(negative_dmin, x_scale))));
+    kquant::add_scaled(result[m], msum, negative_dmin, q.scales[(m0 + m) * q.blocks + s]);
   }
 }
 

@@ -2,7 +2,7 @@
 // (q5k_avx2.cpp) at every row count, and the odd group the AVX512 pair loop (q5k_avx512.cpp) leaves. `Isa` supplies
 // the two instruction-set steps: a nibble register's 5-bit values (five_bits) and the integer dot of 4 activation
 // bytes with them (dot); they give the integers the AVX512 kernel gives, so both kernels give the same bits. The
-// scales, minimums and float steps are q4k's (int4_avx2.cpp: q4k_group_rows): per super-block the dots, each row's
+// scales, minimums and float steps are q4k's (int4_avx2.cpp, kquant_avx2.h): per super-block the dots, each row's
 // isum += s_j * dot_j in integers and one float step; then the minimums as vpmaddwd over int16 pairs and the second
 // float step.
 #pragma once
@@ -13,6 +13,7 @@
 
 #include "avx2.h"
 #include "kernels.h"
+#include "kquant_avx2.h"
 #include "prefetch.h"
 
 namespace tern::q5k {
@@ -62,32 +63,17 @@ inline void group_rows(const Q5KProblem& p, int64_t m0, const uint8_t* w, int64_
       for (int m = 0; m < MB; ++m) isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(dot[m], scale));
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super)));
-    for (int m = 0; m < MB; ++m) {
-      const __m256 x_scale = _mm256_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
-      _mm256_store_ps(result[m], _mm256_add_ps(_mm256_load_ps(result[m]),
-                                               _mm256_mul_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, x_scale))));
-    }
+    for (int m = 0; m < MB; ++m) kquant::add_scaled(result[m], isum[m], d, q.scales[(m0 + m) * q.blocks + s]);
     // The minimums: per pair of sub-blocks (2k, 2k + 1) a lane's m_2k | m_2k+1 << 16 against the activations' two
     // int16 sums, one vpmaddwd.
     __m256i pairs[4];
-    for (int k = 0; k < 4; ++k) {
-      const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 64 + 16 * k)));
-      const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 72 + 16 * k)));
-      const __m256i m_first = _mm256_or_si256(_mm256_srli_epi32(first, 4),
-          _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(top_bits, _mm_cvtsi32_si128(16 + 4 * k)), three), 4));
-      const __m256i m_second = _mm256_or_si256(_mm256_srli_epi32(second, 4),
-          _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(top_bits, _mm_cvtsi32_si128(18 + 4 * k)), three), 4));
-      pairs[k] = _mm256_or_si256(m_first, _mm256_slli_epi32(m_second, 16));
-    }
-    const __m256 negative_dmin = _mm256_xor_ps(
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 16))), _mm256_set1_ps(-0.0f));
+    for (int k = 0; k < 4; ++k) pairs[k] = kquant::minimum_pair(super, top_bits, k);
+    const __m256 negative_dmin = kquant::negative_dmin(super);
     for (int m = 0; m < MB; ++m) {
       const int32_t* sums = reinterpret_cast<const int32_t*>(q.sums32 + (m0 + m) * per_row + s * 8);  // int16 pairs
       __m256i msum = _mm256_madd_epi16(pairs[0], _mm256_set1_epi32(sums[0]));
       for (int k = 1; k < 4; ++k) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs[k], _mm256_set1_epi32(sums[k])));
-      const __m256 x_scale = _mm256_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
-      _mm256_store_ps(result[m], _mm256_add_ps(_mm256_load_ps(result[m]),
-          _mm256_mul_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(negative_dmin, x_scale))));
+      kquant::add_scaled(result[m], msum, negative_dmin, q.scales[(m0 + m) * q.blocks + s]);
     }
   }
   for (int m = 0; m < MB; ++m) avx2::store8(p.out, (m0 + m) * p.N + n0, _mm256_load_ps(result[m]), p.out_bf16);

@@ -16,6 +16,7 @@
 #include "avx2.h"
 #include "decoding.h"
 #include "kernels.h"
+#include "kquant_avx2.h"
 #include "super_blocks_avx2.h"
 
 #include <algorithm>
@@ -106,9 +107,7 @@ inline void super_rows(const Q6KProblem& p, int64_t m0, int64_t s, const uint8_t
     __m256i offset = _mm256_madd_epi16(offset_pairs[0], _mm256_set1_epi32(sums[0]));
     for (int k = 1; k < 8; ++k) offset = _mm256_add_epi32(offset, _mm256_madd_epi16(offset_pairs[k], _mm256_set1_epi32(sums[k])));
     const __m256i total = _mm256_sub_epi32(isum[m], _mm256_slli_epi32(offset, 5));
-    const __m256 x_scale = _mm256_set1_ps(q.scales[(m0 + m) * q.blocks + s]);
-    _mm256_store_ps(result[m], _mm256_add_ps(_mm256_load_ps(result[m]),
-                                             _mm256_mul_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, x_scale))));
+    kquant::add_scaled(result[m], total, d, q.scales[(m0 + m) * q.blocks + s]);
   }
 }
 

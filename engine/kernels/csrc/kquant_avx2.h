@@ -1,0 +1,37 @@
+// The K-quant loops' shared steps on AVX2 (int4_avx2.cpp's q4k, q5k_rows.h, q6k_avx2.cpp): Q4_K's and Q5_K's
+// minimums and dmin from a super-block's header, and a super-block's float step for one activation row.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace tern::kquant {
+
+// Sub-blocks 2k and 2k + 1's minimums in each row's lane as int16 halves, m_2k | m_2k+1 << 16 (one vpmaddwd against
+// the activations' two int16 sums): their low 4 bits are the high nibbles of header bytes 64 + 16k and 72 + 16k,
+// their top 2 bits at 16 + 4k and 18 + 4k of top_bits (the header's bytes 32..63).
+inline __m256i minimum_pair(const uint8_t* super, __m256i top_bits, int k) {
+  const __m256i three = _mm256_set1_epi32(3);
+  const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 64 + 16 * k)));
+  const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 72 + 16 * k)));
+  const __m256i m_first = _mm256_or_si256(_mm256_srli_epi32(first, 4),
+      _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(top_bits, _mm_cvtsi32_si128(16 + 4 * k)), three), 4));
+  const __m256i m_second = _mm256_or_si256(_mm256_srli_epi32(second, 4),
+      _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(top_bits, _mm_cvtsi32_si128(18 + 4 * k)), three), 4));
+  return _mm256_or_si256(m_first, _mm256_slli_epi32(m_second, 16));
+}
+
+// The 8 rows' -dmin (header bytes 16..31, fp16).
+inline __m256 negative_dmin(const uint8_t* super) {
+  return _mm256_xor_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 16))),
+                       _mm256_set1_ps(-0.0f));
+}
+
+// result (a row's 8 sums) += isum * (scale * x_scale): a super-block's float step.
+inline void add_scaled(float* result, __m256i isum, __m256 scale, float x_scale) {
+  _mm256_store_ps(result, _mm256_add_ps(_mm256_load_ps(result),
+                                        _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(scale, _mm256_set1_ps(x_scale)))));
+}
+
+}  // namespace tern::kquant
