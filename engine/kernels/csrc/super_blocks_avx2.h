@@ -21,7 +21,8 @@ namespace tern {
 template <int kTileRows, int64_t kSuperBytes, typename Tile>
 inline void walk_super_blocks(const Int4Problem& p, int64_t g0, int64_t g1, Tile tile) {
   const int64_t group_stride = p.x->blocks * kSuperBytes;  // 8 rows, all of K
-  thread_local std::vector<__m256> results;  // per activation row its 8 outputs, summed over the super-blocks
+  thread_local std::vector<__m256> thread_results;  // per activation row its 8 outputs, summed over the super-blocks
+  std::vector<__m256>& results = thread_results;  // bound once, not looked up (__tls_get_addr) per group
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* wg = p.w + g * group_stride;
     results.assign(p.M, _mm256_setzero_ps());
