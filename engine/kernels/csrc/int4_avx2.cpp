@@ -176,13 +176,6 @@ inline void q4k_super_rows(const Q4KProblem& p, int64_t m0, int64_t s, const uin
   for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
 #pragma GCC unroll 1
   for (int j = 0; j < 8; ++j) {
-    const __m256i scale_pair = decoded_value<kDecoding>(&w.scale_pairs[j], [&] {
-      const __m256i lows = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 64 + 8 * j)));
-      const __m256i scale = _mm256_or_si256(_mm256_and_si256(lows, fifteen),
-                                            _mm256_slli_epi32(_mm256_and_si256(top, three), 4));
-      top = _mm256_srli_epi32(top, 2);
-      return _mm256_or_si256(scale, _mm256_slli_epi32(scale, 16));
-    });
     const uint8_t* wc = super + 128 + 128 * j;
     const int32_t* x[MB];
     for (int m = 0; m < MB; ++m)
@@ -207,6 +200,14 @@ inline void q4k_super_rows(const Q4KProblem& p, int64_t m0, int64_t s, const uin
       products(r, pairs);
       for (int m = 0; m < MB; ++m) sums[m] = _mm256_add_epi16(sums[m], pairs[m]);
     }
+    // Taken after the products: read (kLoad) as vpmaddwd's memory operand, not held in a register through them.
+    const __m256i scale_pair = decoded_value<kDecoding>(&w.scale_pairs[j], [&] {
+      const __m256i lows = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 64 + 8 * j)));
+      const __m256i scale = _mm256_or_si256(_mm256_and_si256(lows, fifteen),
+                                            _mm256_slli_epi32(_mm256_and_si256(top, three), 4));
+      top = _mm256_srli_epi32(top, 2);
+      return _mm256_or_si256(scale, _mm256_slli_epi32(scale, 16));
+    });
     for (int m = 0; m < MB; ++m) isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(sums[m], scale_pair));
   }
   const __m256 d = decoded_value<kDecoding>(&w.d, [&] {

@@ -5,6 +5,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -21,12 +22,15 @@ namespace tern {
 template <int kTileRows, int64_t kSuperBytes, typename Tile>
 inline void walk_super_blocks(const Int4Problem& p, int64_t g0, int64_t g1, Tile tile) {
   const int64_t group_stride = p.x->blocks * kSuperBytes;  // 8 rows, all of K
-  thread_local std::vector<__m256> thread_results;  // per activation row its 8 outputs, summed over the super-blocks
-  std::vector<__m256>& results = thread_results;  // bound once, not looked up (__tls_get_addr) per group
+  // Per activation row its 8 outputs, summed over the super-blocks. Taken as a pointer once: named in the loops, a
+  // thread_local is looked up again (__tls_get_addr) at every use.
+  thread_local std::vector<__m256> thread_results;
+  if (thread_results.size() < static_cast<size_t>(p.M)) thread_results.resize(p.M);
+  __m256* const results = thread_results.data();
+  float (*result)[8] = reinterpret_cast<float (*)[8]>(results);
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* wg = p.w + g * group_stride;
-    results.assign(p.M, _mm256_setzero_ps());
-    float (*result)[8] = reinterpret_cast<float (*)[8]>(results.data());
+    std::fill(results, results + p.M, _mm256_setzero_ps());
     for (int64_t s = 0; s < p.x->blocks; ++s) {
       const uint8_t* super = wg + s * kSuperBytes;
       if (g + 1 < g1)
