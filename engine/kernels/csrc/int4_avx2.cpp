@@ -213,7 +213,6 @@ inline void q4k_super_rows(const Q4KProblem& p, int64_t m0, int64_t s, const uin
   const __m256 d = decoded_value<kDecoding>(&w.d, [&] {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super)));
   });
-  for (int m = 0; m < MB; ++m) kquant::add_scaled(result[m], isum[m], d, q.scales[(m0 + m) * q.blocks + s]);
   // The minimums: per pair of sub-blocks (2k, 2k + 1) a lane's m_2k | m_2k+1 << 16 against the activations' two
   // int16 sums, one vpmaddwd.
   __m256i pairs[4];
@@ -222,11 +221,19 @@ inline void q4k_super_rows(const Q4KProblem& p, int64_t m0, int64_t s, const uin
       return kquant::minimum_pair(super, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 32)), k);
     });
   const __m256 negative_dmin = decoded_value<kDecoding>(&w.negative_dmin, [&] { return kquant::negative_dmin(super); });
+  // Row m's scale and int16 sums; the strides in locals, as the float stores (may-alias vector types) would make
+  // every row read them from q again.
+  const int64_t blocks = q.blocks;
+  const float* x_scales = q.scales + m0 * blocks + s;
+  const int16_t* x_sums = q.sums32 + m0 * per_row + s * 8;
   for (int m = 0; m < MB; ++m) {
-    const int32_t* sums = reinterpret_cast<const int32_t*>(q.sums32 + (m0 + m) * per_row + s * 8);  // int16 pairs
+    const int32_t* sums = reinterpret_cast<const int32_t*>(x_sums + m * per_row);  // int16 pairs
     __m256i msum = _mm256_madd_epi16(pairs[0], _mm256_set1_epi32(sums[0]));
     for (int k = 1; k < 4; ++k) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs[k], _mm256_set1_epi32(sums[k])));
-    kquant::add_scaled(result[m], msum, negative_dmin, q.scales[(m0 + m) * q.blocks + s]);
+    // The two float steps in the order of kernels.h (scales, then minimums), the row's sums loaded and stored once.
+    const __m256 x_scale = _mm256_set1_ps(x_scales[m * blocks]);
+    const __m256 scaled = kquant::scaled(_mm256_load_ps(result[m]), isum[m], d, x_scale);
+    _mm256_store_ps(result[m], kquant::scaled(scaled, msum, negative_dmin, x_scale));
   }
 }
 

@@ -28,10 +28,14 @@ inline __m256 negative_dmin(const uint8_t* super) {
                        _mm256_set1_ps(-0.0f));
 }
 
-// result (a row's 8 sums) += isum * (scale * x_scale): a super-block's float step.
+// sums + isum * (scale * x_scale): a super-block's float step for a row's 8 sums.
+inline __m256 scaled(__m256 sums, __m256i isum, __m256 scale, __m256 x_scale) {
+  return _mm256_add_ps(sums, _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(scale, x_scale)));
+}
+
+// result (a row's 8 sums) += isum * (scale * x_scale), in memory.
 inline void add_scaled(float* result, __m256i isum, __m256 scale, float x_scale) {
-  _mm256_store_ps(result, _mm256_add_ps(_mm256_load_ps(result),
-                                        _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(scale, _mm256_set1_ps(x_scale)))));
+  _mm256_store_ps(result, scaled(_mm256_load_ps(result), isum, scale, _mm256_set1_ps(x_scale)));
 }
 
 }  // namespace tern::kquant

@@ -102,12 +102,16 @@ inline void super_rows(const Q6KProblem& p, int64_t m0, int64_t s, const uint8_t
   const __m256 d = decoded_value<kDecoding>(&w.d, [&] {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super)));
   });
+  // The strides in locals: the float stores (may-alias vector types) would make every row read them from q again.
+  const int64_t blocks = q.blocks, per_row = q.K / 16;
+  const float* x_scales = q.scales + m0 * blocks + s;
+  const int16_t* x_sums = q.sums16 + m0 * per_row + s * 16;
   for (int m = 0; m < MB; ++m) {
-    const int32_t* sums = reinterpret_cast<const int32_t*>(q.sums16 + (m0 + m) * (q.K / 16) + s * 16);  // int16 pairs
+    const int32_t* sums = reinterpret_cast<const int32_t*>(x_sums + m * per_row);  // int16 pairs
     __m256i offset = _mm256_madd_epi16(offset_pairs[0], _mm256_set1_epi32(sums[0]));
     for (int k = 1; k < 8; ++k) offset = _mm256_add_epi32(offset, _mm256_madd_epi16(offset_pairs[k], _mm256_set1_epi32(sums[k])));
     const __m256i total = _mm256_sub_epi32(isum[m], _mm256_slli_epi32(offset, 5));
-    kquant::add_scaled(result[m], total, d, q.scales[(m0 + m) * q.blocks + s]);
+    kquant::add_scaled(result[m], total, d, x_scales[m * blocks]);
   }
 }
 
