@@ -221,20 +221,8 @@ inline void q4k_super_rows(const Q4KProblem& p, int64_t m0, int64_t s, const uin
       return kquant::minimum_pair(super, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 32)), k);
     });
   const __m256 negative_dmin = decoded_value<kDecoding>(&w.negative_dmin, [&] { return kquant::negative_dmin(super); });
-  // Row m's scale and int16 sums; the strides in locals, as the float stores (may-alias vector types) would make
-  // every row read them from q again.
-  const int64_t blocks = q.blocks;
-  const float* x_scales = q.scales + m0 * blocks + s;
-  const int16_t* x_sums = q.sums32 + m0 * per_row + s * 8;
-  for (int m = 0; m < MB; ++m) {
-    const int32_t* sums = reinterpret_cast<const int32_t*>(x_sums + m * per_row);  // int16 pairs
-    __m256i msum = _mm256_madd_epi16(pairs[0], _mm256_set1_epi32(sums[0]));
-    for (int k = 1; k < 4; ++k) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs[k], _mm256_set1_epi32(sums[k])));
-    // The two float steps in the order of kernels.h (scales, then minimums), the row's sums loaded and stored once.
-    const __m256 x_scale = _mm256_set1_ps(x_scales[m * blocks]);
-    const __m256 scaled = kquant::scaled(_mm256_load_ps(result[m]), isum[m], d, x_scale);
-    _mm256_store_ps(result[m], kquant::scaled(scaled, msum, negative_dmin, x_scale));
-  }
+  kquant::finish_super_block<MB>(result, isum, d, pairs, negative_dmin, q.scales + m0 * q.blocks + s, q.blocks,
+                                 q.sums32 + m0 * per_row + s * 8, per_row);
 }
 
 }  // namespace

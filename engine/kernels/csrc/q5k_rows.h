@@ -63,18 +63,12 @@ inline void group_rows(const Q5KProblem& p, int64_t m0, const uint8_t* w, int64_
       for (int m = 0; m < MB; ++m) isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(dot[m], scale));
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(super)));
-    for (int m = 0; m < MB; ++m) kquant::add_scaled(result[m], isum[m], d, q.scales[(m0 + m) * q.blocks + s]);
     // The minimums: per pair of sub-blocks (2k, 2k + 1) a lane's m_2k | m_2k+1 << 16 against the activations' two
     // int16 sums, one vpmaddwd.
     __m256i pairs[4];
     for (int k = 0; k < 4; ++k) pairs[k] = kquant::minimum_pair(super, top_bits, k);
-    const __m256 negative_dmin = kquant::negative_dmin(super);
-    for (int m = 0; m < MB; ++m) {
-      const int32_t* sums = reinterpret_cast<const int32_t*>(q.sums32 + (m0 + m) * per_row + s * 8);  // int16 pairs
-      __m256i msum = _mm256_madd_epi16(pairs[0], _mm256_set1_epi32(sums[0]));
-      for (int k = 1; k < 4; ++k) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs[k], _mm256_set1_epi32(sums[k])));
-      kquant::add_scaled(result[m], msum, negative_dmin, q.scales[(m0 + m) * q.blocks + s]);
-    }
+    kquant::finish_super_block<MB>(result, isum, d, pairs, kquant::negative_dmin(super), q.scales + m0 * q.blocks + s,
+                                   q.blocks, q.sums32 + m0 * per_row + s * 8, per_row);
   }
   for (int m = 0; m < MB; ++m) avx2::store8(p.out, (m0 + m) * p.N + n0, _mm256_load_ps(result[m]), p.out_bf16);
 }
