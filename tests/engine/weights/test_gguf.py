@@ -288,6 +288,7 @@ def test_a_native_gguf_loads_without_transformers_modeling_stack(tmp_path):
         assert heavy == []
 
 
+@pytest.mark.slow  # the layers as built, before any kernel path packs them: not run again with TERN_CPU_KERNELS=off
 def test_a_gguf_loads_from_its_blocks_with_the_files_values(tiny_gguf, tmp_path):
     """4-bit tensors are built 4-bit and Q8_0 and Q5_0 ones q8, with the values transformers de-quantizes from the
     file (exact for Q4_0/Q4_1/Q4_K/Q5_0/Q8_0, and for Q4_0 parts joined to q8 ones; within fp16 rounding of the
@@ -440,6 +441,7 @@ def test_a_quantized_gguf_takes_the_files_size_in_memory(tmp_path, name):
     assert cached and sum(p.stat().st_size for p in cached) < 0.5 * path.stat().st_size
 
 
+@pytest.mark.slow  # takes has_kernel as a parameter, not from the kernel path
 @pytest.mark.parametrize("has_kernel", [True, False])
 def test_the_load_says_what_serves_q5_k(tmp_path, caplog, has_kernel):
     """The load's one summary line names each type and its layout: Q5_K as q5k where a kernel serves it, else as q8
@@ -488,6 +490,7 @@ def test_an_unsupported_tensor_type_names_the_tensor_and_the_type(tmp_path):
         Engine(EngineConfig(model=str(path), cache_dir=str(tmp_path / "cache")))
 
 
+@pytest.mark.slow  # reads headers only: does not depend on the kernel path
 @pytest.mark.parametrize("which", ["default model", "tiny"])
 def test_terns_header_reader_reads_what_ggufs_own_reader_reads(which, tmp_path):
     """A new file's first start parses its header with HeaderReader (gguf's reader over a plain array: a large
@@ -526,6 +529,7 @@ def test_a_first_start_parses_a_gguf_header_once_and_puts_ggufs_reader_back(tmp_
     assert gguf.GGUFReader is GGUFReader
 
 
+@pytest.mark.slow  # reads metadata only: does not depend on the kernel path
 def test_a_first_start_decodes_a_ggufs_metadata_once_for_transformers_config_and_tokenizer(tmp_path, monkeypatch):
     """transformers asks load_gguf_checkpoint for a file's metadata once for the config and again for the
     tokenizer: within reading_headers_once the second call gets the first's result, as its own copy (a caller that
