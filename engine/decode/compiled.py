@@ -17,6 +17,7 @@ size, so warm-up compiles each regime once before the first request rather than 
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -65,6 +66,10 @@ class CompiledDecode:
         self._on_done = on_done
         self._done = threading.Event()
         self._cancelled = threading.Event()
+        self._in_background = in_background
+        self._interrupt_lock = threading.Lock()
+        self._compiling_thread: int | None = None  # the background build's thread while cancel() may interrupt it
+        self._interrupted = False
         compiled_forward = compile_forward(model)
         self._blocks = allocator.allocate(min(WARMUP_BLOCKS, allocator.num_free))
         if not in_background:
@@ -99,10 +104,16 @@ class CompiledDecode:
         return self.forward is not None
 
     def cancel(self) -> None:
-        """End the build at its next batch size and wait for it (a compile under way runs on: torch cannot stop
-        one). Its thread must not outlive the engine: at the interpreter's exit, a daemon thread inside torch
-        aborted the process (std::terminate, exit status 134) when it asked for the GIL back."""
+        """End the build and wait for its thread. Torch has no way to stop a compile, and one graph takes from ~20 s
+        to minutes on 2 cores, which a stop, an unload or a script's exit used to wait out. So the build's thread
+        is interrupted: CompileInterrupted raised in it at its next Python instruction (within a C++ compiler run,
+        once that returns). Its thread must still not outlive the engine: at the interpreter's exit, a daemon thread
+        inside torch aborted the process (std::terminate, exit status 134) when it asked for the GIL back."""
         self._cancelled.set()
+        with self._interrupt_lock:
+            if self._compiling_thread is not None and not self._interrupted:
+                _raise_in_thread(self._compiling_thread, CompileInterrupted)
+                self._interrupted = True  # once: a second one could land in the first one's handler
         self._done.wait()
 
     def free_blocks(self) -> None:
@@ -121,8 +132,19 @@ class CompiledDecode:
         sys.setswitchinterval(min(switch_interval, 1e-4))
         try:
             allow_recompiles()
-            if warm_up(compiled_forward, self._blocks, self._cancelled.is_set):
-                self.forward = compiled_forward
+            try:
+                if self._in_background:
+                    with self._interrupt_lock:
+                        self._compiling_thread = threading.get_ident()
+                if warm_up(compiled_forward, self._blocks, self._cancelled.is_set):
+                    self.forward = compiled_forward
+            finally:
+                with self._interrupt_lock:  # from here on cancel() raises nothing, and one on its way is withdrawn
+                    if self._compiling_thread is not None:
+                        _raise_in_thread(self._compiling_thread, None)
+                        self._compiling_thread = None
+        except CompileInterrupted:
+            logger.info("compiling the decode step stopped with the engine (interrupted)")
         except Exception as exc:
             if self._cancelled.is_set():  # e.g. at exit, where inductor's compile pool refuses new work
                 logger.info("compiling the decode step stopped with the engine (%s)", type(exc).__name__)
@@ -132,6 +154,17 @@ class CompiledDecode:
             sys.setswitchinterval(switch_interval)
         self._done.set()
         self._on_done()
+
+
+class CompileInterrupted(BaseException):
+    """Raised in a background build's thread by cancel(). A BaseException, so that torch's own `except Exception`
+    handlers (which wrap a compiler's errors and may retry) let it through to the build."""
+
+
+def _raise_in_thread(thread_id: int, exception: type[BaseException] | None) -> None:
+    """Raise `exception` in thread `thread_id` at its next Python instruction (None: withdraw one not yet raised)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id),
+                                               ctypes.py_object(exception) if exception is not None else None)
 
 
 def compile_forward(model):

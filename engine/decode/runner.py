@@ -68,7 +68,8 @@ class Runner(Protocol):
         """Block until a compile of the decode step has ended (at once when none runs); True when it serves."""
 
     def stop_compiling(self) -> None:
-        """End a compile of the decode step under way (at its next batch size) and wait for its thread."""
+        """End a compile of the decode step under way (interrupted: compiled.py, CompiledDecode.cancel) and wait for
+        its thread."""
 
 
 class ModelRunner:

@@ -186,6 +186,54 @@ def test_eager_steps_do_not_fail_while_the_background_compile_traces(default_tok
         engine.stop()
 
 
+def test_stopping_an_engine_ends_a_compile_under_way_and_the_next_engine_compiles_as_before(default_tokenizer,
+                                                                                           monkeypatch, tmp_path):
+    """A stop (an unload, a shutdown, a script's end) used to wait until the graph being compiled was done: a
+    minute or more on 2 cores. It now interrupts it; and the process is fit to compile again: the next engine's
+    compiled step gives its eager twin's tokens."""
+    from engine.decode.compiled import CompileInterrupted
+    from engine.decode.runner import ModelRunner
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # no cached kernels: the graph takes its full time
+    compiling, outcome = threading.Event(), []
+    warm_up = ModelRunner.warm_up
+
+    def observed_warm_up(self, compiled_forward, *args):
+        def forward(*inputs):
+            compiling.set()
+            try:
+                result = compiled_forward(*inputs)
+            except BaseException as exc:
+                outcome.append(type(exc))
+                raise
+            outcome.append("compiled")
+            return result
+        return warm_up(self, forward, *args)
+
+    monkeypatch.setattr(ModelRunner, "warm_up", observed_warm_up)
+    engine = _engine(default_tokenizer, "float32", "none", compile=True, max_num_seqs=4)
+    try:
+        assert compiling.wait(timeout=600)
+    finally:
+        engine.stop()
+    assert outcome == [CompileInterrupted]  # the first graph's compile did not run to its end
+    assert engine.info().decode_step == "eager" and not engine.info().compiled_decode
+    monkeypatch.undo()
+
+    prompts = _prompts(3)
+    eager = _engine(default_tokenizer, "float32", "none", compile=False, max_num_seqs=4)
+    try:
+        expected = [c.choices[0].token_ids for c in eager.generate(prompts, PARAMS)]
+    finally:
+        eager.stop()
+    compiled = _engine(default_tokenizer, "float32", "none", compile=True, max_num_seqs=4)
+    try:
+        assert compiled.wait_for_compiled_decode(timeout_s=600) and compiled.info().decode_step == "compiled"
+        assert [c.choices[0].token_ids for c in compiled.generate(prompts, PARAMS)] == expected
+    finally:
+        compiled.stop()
+
+
 def test_compile_where_unsupported_runs_eager_and_still_serves(tiny_engine_factory):
     engine, _ = tiny_engine_factory("gpt2", compile=True)  # the generic transformers path is never compiled
     assert not engine.info().compiled_decode and engine.info().decode_step == "eager"

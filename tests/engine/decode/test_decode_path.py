@@ -113,11 +113,11 @@ def test_a_runner_built_alone_compiles_in_the_background_in_blocks_it_reserves(d
     assert torch.equal(_decode_batch(runner, allocator, list(range(5, 25))), eager_logits)
 
 
-def test_stopping_ends_a_background_compile_at_its_next_batch_size_and_waits_for_its_thread(default_tokenizer,
-                                                                                            monkeypatch):
-    """A script that ends, or a model unloaded, while the decode step compiles: Engine.stop() ends the compile at
-    its next batch size and waits for its thread. Left running, that daemon thread was inside torch when the
-    interpreter finalized, and the process died by std::terminate (exit status 134)."""
+def test_stopping_ends_a_background_compile_and_waits_for_its_thread(default_tokenizer, monkeypatch):
+    """A script that ends, or a model unloaded, while the decode step compiles: Engine.stop() ends the compile
+    (interrupting the size it builds: test_compiled.py shows it on a real compile) and waits for its thread. Left
+    running, that daemon thread was inside torch when the interpreter finalized, and the process died by
+    std::terminate (exit status 134)."""
     monkeypatch.setattr(compiled, "compile_forward", lambda model: model.forward)
     compiling, sizes_built = threading.Event(), []
     warm_up = ModelRunner.warm_up
