@@ -68,10 +68,8 @@ class CompiledDecode:
         self._on_done = on_done
         self._done = threading.Event()
         self._cancelled = threading.Event()
-        self._in_background = in_background
         self._interrupt_lock = threading.Lock()
-        self._compiling_thread: int | None = None  # the background build's thread while cancel() may interrupt it
-        self._interrupted = False
+        self._compiling_thread: int | None = None  # the build's thread while cancel() may still interrupt it
         compiled_forward = compile_forward(model)
         self._blocks = allocator.allocate(min(WARMUP_BLOCKS, allocator.num_free))
         if not in_background:
@@ -113,9 +111,9 @@ class CompiledDecode:
         inside torch aborted the process (std::terminate, exit status 134) when it asked for the GIL back."""
         self._cancelled.set()
         with self._interrupt_lock:
-            if self._compiling_thread is not None and not self._interrupted:
+            if self._compiling_thread is not None:
                 _raise_in_thread(self._compiling_thread, CompileInterrupted)
-                self._interrupted = True  # once: a second one could land in the first one's handler
+                self._compiling_thread = None  # once: a second one could land in the first one's handler
         self._done.wait()
 
     def free_blocks(self) -> None:
@@ -134,17 +132,16 @@ class CompiledDecode:
         sys.setswitchinterval(min(switch_interval, 1e-4))
         try:
             allow_recompiles()
+            # (Built before serving, on CUDA, no cancel() can come while it compiles: it never raises there.)
             try:
-                if self._in_background:
-                    with self._interrupt_lock:
-                        self._compiling_thread = threading.get_ident()
+                with self._interrupt_lock:
+                    self._compiling_thread = threading.get_ident()
                 if warm_up(compiled_forward, self._blocks, self._cancelled.is_set):
                     self.forward = compiled_forward
             finally:
                 with self._interrupt_lock:  # from here on cancel() raises nothing, and one on its way is withdrawn
-                    if self._compiling_thread is not None:
-                        _raise_in_thread(self._compiling_thread, None)
-                        self._compiling_thread = None
+                    self._compiling_thread = None
+                    _raise_in_thread(threading.get_ident(), None)
         except CompileInterrupted:
             logger.info("compiling the decode step stopped with the engine (interrupted)")
         except Exception as exc:
