@@ -1,6 +1,6 @@
 """The app factory: settings and a ModelRegistry -> the FastAPI app (its lifespan starts and stops the registry, which
-loads and unloads the engines), with the /v1 routers and the Gradio UI mounted at "/". app.py serves it under
-uvicorn, deploy/replica.py once per replica."""
+loads and unloads the engines), with the /v1 routers and the Gradio UI mounted at "/" (built on its first visit:
+tern/lazy_ui.py). app.py serves it under uvicorn, deploy/replica.py once per replica."""
 from __future__ import annotations
 
 import logging
@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from engine import EngineConfig
 from engine.registry import ModelRegistry, ModelSpec
 from engine.weights.checkpoint import model_name
+from tern.lazy_ui import LazyUI
 from tern.settings import ServerSettings
 
 logger = logging.getLogger("tern")
@@ -22,9 +23,6 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
     from fastapi import FastAPI
 
     from api import APICORSMiddleware, BodySizeLimitMiddleware, RequestIDMiddleware, build_router, install_error_handlers
-    from ui import LOGIN_MESSAGE, build_ui, key_login  # before Gradio: ui imports it without its stub writing
-
-    import gradio as gr
 
     server = server or ServerSettings()
     is_started = registry is not None
@@ -33,6 +31,8 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
         model_id = server.served_model_name or model_name(engine_config.model)
         registry = ModelRegistry([ModelSpec(model_id, engine_config)])
 
+    web_ui = LazyUI(lambda: build_web_ui(registry, server.api_key))
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if not is_started:
@@ -40,6 +40,7 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
         try:
             yield
         finally:
+            await web_ui.close()
             registry.stop()
 
     app = FastAPI(title="Tern", version="0.1.0", lifespan=lifespan)
@@ -54,8 +55,19 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
     router = build_router(registry, api_key=server.api_key, max_stored_responses=server.max_stored_responses)
     app.state.metrics = router.metrics
     app.include_router(router)
-    # Mounted last: a mount at "/" catches every path not matched above. With an API key the UI asks for it too:
-    # Gradio's own HTTP API (what gradio_client calls) runs the model as /v1 does.
-    login = key_login(server.api_key) if server.api_key else None
-    return gr.mount_gradio_app(app, build_ui(registry), path="/", auth=login,
+    app.mount("/", web_ui)  # last: a mount at "/" catches every path not matched above
+    return app
+
+
+def build_web_ui(registry: ModelRegistry, api_key: str | None):
+    """The Gradio UI as an app of its own, to mount at "/". With an API key it asks for it too: Gradio's own HTTP API
+    (what gradio_client calls) runs the model as /v1 does."""
+    from fastapi import FastAPI
+
+    from ui import LOGIN_MESSAGE, build_ui, key_login  # before Gradio: ui imports it without its stub writing
+
+    import gradio as gr
+
+    login = key_login(api_key) if api_key else None
+    return gr.mount_gradio_app(FastAPI(), build_ui(registry), path="/", auth=login,
                                auth_message=LOGIN_MESSAGE if login else None)

@@ -20,12 +20,13 @@ class TokenizerView:
     def __init__(self, tokenizer, generation_eos: int | list[int] | None = None) -> None:
         self._hf = tokenizer
         self.vocab_size = len(tokenizer)
-        self.eos_ids = self._eos_ids(generation_eos)
-        self._byte_decoder = _byte_decoder() if self._is_byte_level() else None
+        vocab = tokenizer.get_vocab()  # once: a new dict of every token each call (~50 ms at 128k tokens)
+        self.eos_ids = self._eos_ids(generation_eos, vocab)
+        self._byte_decoder = _byte_decoder() if _is_byte_level(vocab) else None
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         self.token_bytes = lru_cache(maxsize=65536)(self._token_bytes)
         # Decided once here: whether replies carry <think> reasoning to split off (engine/text/reasoning.py).
-        self.reasoning: ReasoningTags | None = detect_reasoning(tokenizer.get_vocab(), self.chat_template)
+        self.reasoning: ReasoningTags | None = detect_reasoning(vocab, self.chat_template)
 
     @property
     def has_chat_template(self) -> bool:
@@ -115,7 +116,7 @@ class TokenizerView:
             return bytes([int(piece[3:5], 16)])  # SentencePiece byte-fallback token
         return self._token_text(token_id).encode("utf-8")
 
-    def _eos_ids(self, generation_eos) -> frozenset[int]:
+    def _eos_ids(self, generation_eos, vocab: dict[str, int]) -> frozenset[int]:
         ids: set[int] = set()
         if isinstance(generation_eos, int):
             ids.add(generation_eos)
@@ -123,14 +124,13 @@ class TokenizerView:
             ids.update(generation_eos)
         if self._hf.eos_token_id is not None:
             ids.add(self._hf.eos_token_id)
-        vocab = self._hf.get_vocab()
         ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
         return frozenset(ids)
 
-    def _is_byte_level(self) -> bool:
-        # Byte-level BPE (GPT-2 style) spells a space as "Ġ"; SentencePiece uses "▁".
-        vocab = self._hf.get_vocab()
-        return "Ġ" in vocab or "Ġthe" in vocab
+
+def _is_byte_level(vocab: dict[str, int]) -> bool:
+    # Byte-level BPE (GPT-2 style) spells a space as "Ġ"; SentencePiece uses "▁".
+    return "Ġ" in vocab or "Ġthe" in vocab
 
 
 @lru_cache(maxsize=1)
