@@ -52,9 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("%s ready", ", ".join(f"`{spec.id}`" for spec in specs))
         return 0
 
-    # Loading is mostly C++ and file reads, building the web app (importing Gradio, FastAPI and the UI) is Python:
-    # started first, the first model's weights load while the app is built, instead of after it. The others load
-    # when a request first names them.
+    # Loading is mostly C++ and file reads, building the web app (FastAPI and the API's routes; the UI is built on
+    # its first visit, tern/lazy_ui.py) is Python: started first, the first model's weights load while the app is
+    # built, instead of after it. The others load when a request first names them.
     registry = ModelRegistry(specs, max_loaded=server.max_loaded if len(specs) > 1 else None)
     registry.start(preload=[registry.default_id])
     import uvicorn
@@ -70,11 +70,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def end_startup_gc_pause() -> None:
-    """A start creates the web app's objects (Gradio, FastAPI, pydantic, transformers) and few cycles among them, yet
-    with the collector on Python traversed them all, again and again as they grew: 6 full collections, 0.6 s of a
-    1B GGUF's start on 2 cores, holding the GIL. Started as a server, collection is off until here; now those
-    objects move to the permanent generation (gc.freeze: later collections skip them) and collection is back on
-    for what serving creates. Called by a caller that kept the collector on (tests), nothing changes."""
+    """A start creates the web app's objects (FastAPI, pydantic, transformers; Gradio's wait for the UI's first
+    visit) and few cycles among them, yet with the collector on Python traversed them all, again and again as they
+    grew: 6 full collections, 0.6 s of a 1B GGUF's start on 2 cores, holding the GIL. Started as a server,
+    collection is off until here; now those objects move to the permanent generation (gc.freeze: later collections
+    skip them) and collection is back on for what serving creates. Called by a caller that kept the collector on
+    (tests), nothing changes."""
     if not gc.isenabled():
         gc.freeze()
         gc.enable()
