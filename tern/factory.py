@@ -60,8 +60,9 @@ def create_app(server: ServerSettings | None = None, engine_config: EngineConfig
 
 
 def build_web_ui(registry: ModelRegistry, api_key: str | None):
-    """The Gradio UI as an app of its own, to mount at "/". With an API key it asks for it too: Gradio's own HTTP API
-    (what gradio_client calls) runs the model as /v1 does."""
+    """The Gradio UI mounted at "/" of a FastAPI app of its own, whose lifespan starts Gradio's queue (LazyUI runs
+    it). With an API key the UI asks for it too: Gradio's own HTTP API (what gradio_client calls) runs the model as
+    /v1 does."""
     from fastapi import FastAPI
 
     from ui import LOGIN_MESSAGE, build_ui, key_login  # before Gradio: ui imports it without its stub writing

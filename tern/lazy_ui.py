@@ -43,4 +43,5 @@ class LazyUI:
         return self._app
 
     async def close(self) -> None:
-        await self._lifespans.aclose()
+        async with self._lock:  # a build under way finishes first, so its lifespan is ended too
+            await self._lifespans.aclose()
