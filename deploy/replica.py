@@ -34,7 +34,8 @@ class TernReplica:
         self.board = board
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._lifespan = _Lifespan(self.app)
-        await self._lifespan.startup()  # the app's lifespan: Gradio's startup, and the engine loading in a thread
+        # The app's lifespan: the engine loading in a thread (the UI is built on its first visit, tern/lazy_ui.py).
+        await self._lifespan.startup()
         engine = await asyncio.to_thread(self.handle.wait)
         if engine is None:  # Ray marks the replica failed and tries again; `serve status` shows why
             raise RuntimeError(f"the model failed to load: {self.handle.error}")

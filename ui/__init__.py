@@ -60,8 +60,8 @@ HEADER_REFRESH_S = 3.0  # until the model has loaded
 QUEUE_POLL_S = 0.02
 QUEUE_PROGRESS_POLL_S = 0.05
 
-# app.py mounts with gr.mount_gradio_app(..., css=None), which resets Blocks(css=...); a <style> element inside
-# the page works either way. Token colours are inline styles, so the views stay readable even without it.
+# tern/factory.py mounts with gr.mount_gradio_app(..., css=None), which resets Blocks(css=...); a <style> element
+# inside the page works either way. Token colours are inline styles, so the views stay readable even without it.
 PAGE_CSS = """
 <style>
 #tern-header h1 { margin-bottom: 0.2em; }
