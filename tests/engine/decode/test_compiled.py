@@ -191,12 +191,32 @@ def test_stopping_an_engine_ends_a_compile_under_way_and_the_next_engine_compile
     """A stop (an unload, a shutdown, a script's end) used to wait until the graph being compiled was done: a
     minute or more on 2 cores. It now interrupts it; and the process is fit to compile again: the next engine's
     compiled step gives its eager twin's tokens."""
-    from engine.decode.compiled import CompileInterrupted
+    from torch._dynamo.output_graph import OutputGraph
+
+    from engine.decode.compiled import CompiledDecode, CompileInterrupted
     from engine.decode.runner import ModelRunner
 
+    # A fresh compile, as in a new process: dynamo would otherwise find the graph an earlier engine of this process
+    # compiled for the same shapes, and "compile" in milliseconds, before the stop below could interrupt it.
+    torch._dynamo.reset()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # no cached kernels: the graph takes its full time
-    compiling, outcome = threading.Event(), []
-    warm_up = ModelRunner.warm_up
+    compiling, cancel_asked, outcome = threading.Event(), threading.Event(), []
+    warm_up, cancel, call_user_compiler = ModelRunner.warm_up, CompiledDecode.cancel, OutputGraph.call_user_compiler
+
+    def observed_cancel(self):
+        cancel_asked.set()
+        return cancel(self)
+
+    def held_call_user_compiler(self, *args, **kwargs):
+        # The compile thread is held here, inside dynamo's compile of the first graph, until the stop has asked for
+        # the interrupt and a while after (however fast this machine compiles); the wait is in Python, where the
+        # interrupt lands. Not interrupted within a minute of the ask, the compile goes on and the test fails.
+        if threading.current_thread().name == "tern-compile":
+            assert cancel_asked.wait(timeout=600)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                time.sleep(0.005)
+        return call_user_compiler(self, *args, **kwargs)
 
     def observed_warm_up(self, compiled_forward, *args):
         def forward(*inputs):
@@ -211,6 +231,8 @@ def test_stopping_an_engine_ends_a_compile_under_way_and_the_next_engine_compile
         return warm_up(self, forward, *args)
 
     monkeypatch.setattr(ModelRunner, "warm_up", observed_warm_up)
+    monkeypatch.setattr(CompiledDecode, "cancel", observed_cancel)
+    monkeypatch.setattr(OutputGraph, "call_user_compiler", held_call_user_compiler)
     engine = _engine(default_tokenizer, "float32", "none", compile=True, max_num_seqs=4)
     try:
         assert compiling.wait(timeout=600)
