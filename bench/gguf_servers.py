@@ -219,14 +219,22 @@ def main() -> None:
     for model in args.models:
         read_through(model)
         rounds = {name: [] for name in servers}
+        table.append((model, rounds))
         for index in range(args.rounds):
             for name in servers if index % 2 == 0 else servers[::-1]:
                 result = measure(name, model, args)
                 rounds[name].append(result)
                 print(f"{model.name} round {index + 1} {name}: {result}", flush=True)
-        table.append((model, rounds))
-
+            is_last = model == args.models[-1] and index == args.rounds - 1
+            if not is_last:  # a run stopped early (a 3B round takes half an hour) still leaves its table so far
+                print(f"\nSo far (through round {index + 1} of {model.name}):")
+                print_tables(table, servers, args)
     print(f"\n{args.rounds} alternated rounds; CPU flags: {kernel_flags()}; {os.cpu_count()} cores")
+    print_tables(table, servers, args)
+
+
+def print_tables(table: list, servers: list[str], args) -> None:
+    """The speed and memory table, and one stream against the bandwidth ceiling, of the rounds run so far."""
     for name in servers:
         paths = sorted({r["kernels"] for _, rounds in table for r in rounds[name]})
         print(f"{name} ran: {'; '.join(paths)}")
@@ -266,6 +274,8 @@ def main() -> None:
 
         print(f"| {model.name} | {per_token / 1e6:.0f} | {shares(rounds['tern'])} | "
               f"{shares(rounds['llama-server'])} |")
+
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
