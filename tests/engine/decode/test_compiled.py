@@ -199,7 +199,7 @@ def test_stopping_an_engine_ends_a_compile_under_way_and_the_next_engine_compile
     # A fresh compile, as in a new process: dynamo would otherwise find the graph an earlier engine of this process
     # compiled for the same shapes, and "compile" in milliseconds, before the stop below could interrupt it.
     torch._dynamo.reset()
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # no cached kernels: the graph takes its full time
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # no kernels cached on disk by earlier runs either
     compiling, cancel_asked, outcome = threading.Event(), threading.Event(), []
     warm_up, cancel, call_user_compiler = ModelRunner.warm_up, CompiledDecode.cancel, OutputGraph.call_user_compiler
 
