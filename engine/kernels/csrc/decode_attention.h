@@ -249,8 +249,13 @@ void attend(const AttentionProblem& p, int64_t task0, int64_t task1) {
   const C* k = static_cast<const C*>(p.k_cache);
   const C* v = static_cast<const C*>(p.v_cache);
   T* out = static_cast<T*>(p.out);
-  Scratch scratch;
-  std::vector<int64_t> lengths;
+  // Kept per thread: a prefill's tasks come in many small chunks (matmul.h: parallel_share), and each chunk would
+  // otherwise allocate (and fault in) its widened keys and values again. Bound once: a thread_local named in the loop
+  // is looked up at every use.
+  thread_local Scratch thread_scratch;
+  thread_local std::vector<int64_t> thread_lengths;
+  Scratch& scratch = thread_scratch;
+  std::vector<int64_t>& lengths = thread_lengths;
   for (int64_t task = task0; task < task1; ++task) {
     // A prompt's tiles grow with their position; threads take contiguous ranges of tasks, so tiles are dealt
     // from both ends (0, n-1, 1, n-2, ...) and each range gets short and long ones alike.
