@@ -257,8 +257,9 @@ void attend(const AttentionProblem& p, int64_t task0, int64_t task1) {
   Scratch& scratch = thread_scratch;
   std::vector<int64_t>& lengths = thread_lengths;
   for (int64_t task = task0; task < task1; ++task) {
-    // A prompt's tiles grow with their position; threads take contiguous ranges of tasks, so tiles are dealt
-    // from both ends (0, n-1, 1, n-2, ...) and each range gets short and long ones alike.
+    // A prompt's tiles grow with their position; threads take contiguous ranges of tasks (halves or chunks:
+    // matmul.h's parallel_share), so tiles are dealt from both ends (0, n-1, 1, n-2, ...) and each range gets short
+    // and long ones alike.
     const int64_t dealt = task / p.Hkv, h = task % p.Hkv;
     const int64_t tile = dealt % 2 == 0 ? dealt / 2 : p.num_tiles - 1 - dealt / 2;
     const int64_t b0 = p.tiles[tile], rows = p.tiles[tile + 1] - b0, last = b0 + rows - 1;

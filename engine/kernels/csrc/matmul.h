@@ -54,6 +54,7 @@ inline constexpr ActivationBlocks kQ4KActivations{kQ4KSuperCols, true, false};  
 inline constexpr ActivationBlocks kQ6KActivations{kQ6KSuperCols, false, true};
 
 // run(i0, i1) over [0, count) for a step of `rows` activation rows: how the matmuls and attention share the threads.
+// Fewer rows: at::parallel_for's halves, `grain` its least share (a range no longer than one grain stays on one thread).
 // With many rows (prefill, a batch of streams) the kernels are bound by their instructions, and at::parallel_for's
 // fixed halves left whichever core ran slower that moment (the one that also runs Python, an interrupt, a neighbour on
 // the host) holding the other at the end of every parallel region, so there the work goes out in chunks to whichever
@@ -65,10 +66,10 @@ inline constexpr ActivationBlocks kQ6KActivations{kQ6KSuperCols, false, true};
 constexpr int64_t kChunkedMinRows = 4;
 
 template <typename Run>
-inline void parallel_share(int64_t count, int64_t rows, int64_t unit, const Run& run) {
+inline void parallel_share(int64_t count, int64_t rows, int64_t grain, int64_t unit, const Run& run) {
   const int64_t threads = at::get_num_threads();
   if (rows < kChunkedMinRows || threads == 1 || at::in_parallel_region() || count <= unit)
-    return at::parallel_for(0, count, unit, [&](int64_t i0, int64_t i1) { run(i0, i1); });
+    return at::parallel_for(0, count, grain, [&](int64_t i0, int64_t i1) { run(i0, i1); });
   const int64_t chunk = std::max<int64_t>(1, (count / (8 * threads) + unit - 1) / unit) * unit;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -85,7 +86,7 @@ inline void block_matmul(Int4Groups groups, ActivationBlocks activations, Quanti
   if (M == 0) return;
   const QuantizedRows q = scratch.quantize(x, x_bf16, M, K, activations.block, activations.sums32, activations.sums16);
   const Int4Problem p{&q, M, out_stride ? out_stride : N, w, out, x_bf16};
-  parallel_share(N / kInt4GroupRows, M, 4, [&](int64_t g0, int64_t g1) { groups(p, g0, g1); });
+  parallel_share(N / kInt4GroupRows, M, 8, 4, [&](int64_t g0, int64_t g1) { groups(p, g0, g1); });
 }
 
 // Consecutive rows whose contexts are prefixes of one another's (a prompt run as decode rows, one position each:
@@ -111,7 +112,7 @@ inline void decode_attention(AttentionTasks tasks, const AttentionProblem& probl
   AttentionProblem p = problem;
   p.tiles = tiles.data();
   p.num_tiles = static_cast<int64_t>(tiles.size()) - 1;
-  parallel_share(p.num_tiles * p.Hkv, p.B, 1, [&](int64_t t0, int64_t t1) { tasks(p, t0, t1); });
+  parallel_share(p.num_tiles * p.Hkv, p.B, 1, 1, [&](int64_t t0, int64_t t1) { tasks(p, t0, t1); });
 }
 
 }  // namespace tern
