@@ -376,15 +376,21 @@ void q6k_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
           alignas(32) uint8_t v[32];
           q6_k_values(super, b, v);
           uint8_t* block = out + kQ6KHeaderBytes + b * kQ6KBlockBytes;
-          for (int i = 0; i < 4; ++i)  // nibble register i: columns 8i + t (low) and 8i + 4 + t (high)
-            for (int t = 0; t < 4; ++t) {
-              const uint8_t low = v[8 * i + t], high = v[8 * i + 4 + t];
-              block[32 * i + 4 * r + t] = static_cast<uint8_t>((low & 0x0F) | ((high & 0x0F) << 4));
-              uint8_t& top = block[128 + 32 * (i / 2) + 4 * r + t];
-              const int shift = 4 * (i % 2);
-              if (shift == 0) top = 0;
-              top = static_cast<uint8_t>(top | ((low >> 4) << shift) | ((high >> 4) << (shift + 2)));
-            }
+          // Nibble register i takes values 8i..8i+7: byte t of its word holds value 8i + t's low nibble and value
+          // 8i + 4 + t's as its high one. Read as one 64-bit word (bytes 0-3 the low half, 4-7 the high one), all
+          // four bytes of a register's word, and of its top-2-bit word, come from a few shifts and masks.
+          uint32_t top[2] = {0, 0};
+          for (int i = 0; i < 4; ++i) {
+            uint64_t u;
+            std::memcpy(&u, v + 8 * i, 8);
+            const uint32_t low = static_cast<uint32_t>(u), high = static_cast<uint32_t>(u >> 32);
+            const uint32_t nibbles = (low & kLowNibbles) | ((high & kLowNibbles) << 4);
+            std::memcpy(block + 32 * i + 4 * r, &nibbles, 4);
+            // the top 2 bits of register 2p's low and high nibbles at bits 0 and 2 of each byte, 2p + 1's at 4, 6
+            top[i / 2] |= (((low >> 4) & 0x03030303u) | (((high >> 4) & 0x03030303u) << 2)) << (4 * (i % 2));
+          }
+          std::memcpy(block + 128 + 4 * r, &top[0], 4);
+          std::memcpy(block + 160 + 4 * r, &top[1], 4);
         }
       }
     }
