@@ -305,6 +305,16 @@ void q4k_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
   }
 }
 
+// The 8 x 8 bit matrix in a word transposed: bit j of byte i goes to bit i of byte j (Hacker's Delight, 7-3).
+inline uint64_t transpose_bits(uint64_t x) {
+  uint64_t t = (x ^ (x >> 7)) & 0x00AA00AA00AA00AAull;
+  x ^= t ^ (t << 7);
+  t = (x ^ (x >> 14)) & 0x0000CCCC0000CCCCull;
+  x ^= t ^ (t << 14);
+  t = (x ^ (x >> 28)) & 0x00000000F0F0F0F0ull;
+  return x ^ t ^ (t << 28);
+}
+
 // Q5_K super-blocks as they are (layouts.pack_q5k): q4k's bytes of the same scales, minimums and nibbles (Q5_K's
 // nibbles lie 48 bytes into its 176, Q4_K's 16 into its 144), each sub-block's nibbles followed by its 32 bytes of
 // fifth bits: byte 4r + t, bit k the fifth bit of nibble register k's low nibble there (column 8k + t), bit 4 + k
@@ -329,16 +339,18 @@ void q5k_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
           uint32_t words[4];
           k_quant_words(super + 48, j, words);
           for (int w = 0; w < 4; ++w) std::memcpy(block + 32 * w + 4 * r, &words[w], 4);
-          for (int t = 0; t < 4; ++t) {
-            uint8_t fifth = 0;
-            for (int k = 0; k < 4; ++k) {
-              const int low = (qh[8 * k + t] >> j) & 1, high = (qh[8 * k + 4 + t] >> j) & 1;
-              fifth |= static_cast<uint8_t>(low << k | high << (4 + k));
-            }
-            block[128 + 4 * r + t] = fifth;
-          }
         }
         std::memcpy(out + 32 + 4 * r, &top, 4);
+        // Byte 4r + t of every sub-block's fifth bits at once: byte 4h + k of `columns` is qh[8k + 4h + t] (bit j:
+        // sub-block j), so its transpose holds in byte j, bit 4h + k, what sub-block j's byte wants there.
+        for (int t = 0; t < 4; ++t) {
+          uint64_t columns = 0;
+          for (int k = 0; k < 4; ++k)
+            columns |= static_cast<uint64_t>(qh[8 * k + t]) << (8 * k) | static_cast<uint64_t>(qh[8 * k + 4 + t]) << (8 * (4 + k));
+          const uint64_t by_sub_block = transpose_bits(columns);
+          for (int j = 0; j < 8; ++j)
+            out[kQ5KHeaderBytes + kQ5KBlockBytes * j + 128 + 4 * r + t] = static_cast<uint8_t>(by_sub_block >> (8 * j));
+        }
       }
     }
   }
