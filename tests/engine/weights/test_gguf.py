@@ -17,7 +17,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFWriter, quants
 
-from conftest import assert_config_reads_back, cpu_kernels, heavy_imports_of_a_start, require_op, tokenizer_fields
+from conftest import (assert_config_reads_back, assert_tokenizer_as_autotokenizer, cpu_kernels, heavy_imports_of_a_start,
+                      require_op, tokenizer_fields)
 
 from engine import Engine, EngineConfig, ModelLoadError, SamplingParams
 from engine.weights import gguf_blocks
@@ -262,6 +263,11 @@ def transformers_model(path: Path):
 @pytest.mark.slow  # the config does not depend on the kernel path: not run again with TERN_CPU_KERNELS=off
 def test_a_llama_ggufs_config_reads_back_with_every_field(tmp_path):
     assert_config_reads_back(write_tiny_gguf(tmp_path / "tiny.gguf", *FILES["Q4_1+Q8_0 embedding"]), tmp_path)
+
+
+@pytest.mark.slow  # nor does the tokenizer
+def test_a_llama_ggufs_tokenizer_is_the_one_autotokenizer_builds(tmp_path):
+    assert_tokenizer_as_autotokenizer(write_tiny_gguf(tmp_path / "tiny.gguf", *FILES["Q4_1+Q8_0 embedding"]), tmp_path)
 
 
 @pytest.mark.slow
