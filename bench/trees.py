@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,11 +40,15 @@ def print_result(result: dict) -> None:
 
 
 def alternate(trees: list[Path], rounds: int, child_command: list[str]) -> Iterator[tuple[int, dict[Path, dict]]]:
-    """Per round (1-based), each tree's result: `child_command` run with the tree as its working directory."""
+    """Per round (1-based), each tree's result: `child_command` run with the tree as its working directory. Each tree
+    keeps a cache folder of its own (<tree>/.bench-cache, unless TERN_CACHE is set): a kernel build removes the
+    builds of other sources from its folder, so trees sharing one rebuilt their kernels (~1 min) every round."""
     for round_ in range(rounds):
         order = trees if round_ % 2 == 0 else trees[::-1]
         results = {}
         for tree in order:
-            output = subprocess.run(child_command, cwd=tree, capture_output=True, text=True, check=True).stdout
+            env = {**os.environ, "TERN_CACHE": os.environ.get("TERN_CACHE") or str(Path(tree).resolve() / ".bench-cache")}
+            output = subprocess.run(child_command, cwd=tree, capture_output=True, text=True, check=True,
+                                    env=env).stdout
             results[tree] = json.loads(output.split(RESULT_MARK, 1)[1])
         yield round_ + 1, results
