@@ -29,6 +29,9 @@ struct QuantizedRows {
   float* sum_scales;  // scales[i] * sums[i] (the int4 minimum's factor): computed once, not once per weight group
   int16_t* sums32 = nullptr;  // where given (q4k's blocks of 256): the sum of each 32 values' int8s, per (row, 32)
   int16_t* sums16 = nullptr;  // where given (q6k's blocks of 256): the sum of each 16 values' int8s, per (row, 16)
+  // Where given (blocks of 32): per (row, block) -8 * sums[i] as an int16 in the low half of the word, the high half
+  // 0: q4's centring, where the AVX2 pair loop starts its int16 sums (int4_avx2.cpp).
+  int32_t* q4_offsets = nullptr;
 };
 
 // Rows [m0, m1) of x [M, K] (float32, or bfloat16 bits when bf16) into q: q = round_half_even(x * 127 / absmax).

@@ -26,6 +26,7 @@ struct QuantizedScratch {
   std::vector<float> sum_scales;
   std::vector<int16_t> sums32;  // at most 32 * 127 in magnitude
   std::vector<int16_t> sums16;
+  std::vector<int32_t> q4_offsets;
 
   // with_sums32 / with_sums16: also the sum of every 32 (q4k) or 16 (q6k) values' int8s (activations in blocks of 256).
   QuantizedRows quantize(const void* x, bool bf16, int64_t M, int64_t K, int64_t block, bool with_sums32 = false,
@@ -36,8 +37,11 @@ struct QuantizedScratch {
     sum_scales.resize(M * K / block);
     if (with_sums32) sums32.resize(M * K / 32);
     if (with_sums16) sums16.resize(M * K / 16);
+    const bool per32 = block == kInt4GroupCols;
+    if (per32) q4_offsets.resize(M * K / block);
     QuantizedRows rows{K, block, K / block, values.data(), scales.data(), sums.data(), sum_scales.data(),
-                       with_sums32 ? sums32.data() : nullptr, with_sums16 ? sums16.data() : nullptr};
+                       with_sums32 ? sums32.data() : nullptr, with_sums16 ? sums16.data() : nullptr,
+                       per32 ? q4_offsets.data() : nullptr};
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { quantize_rows_avx2(x, bf16, m0, m1, rows); });
     return rows;
   }

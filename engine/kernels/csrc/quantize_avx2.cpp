@@ -49,6 +49,8 @@ void quantize_rows_avx2(const void* x, bool bf16, int64_t m0, int64_t m1, const 
       q.sums[m * q.blocks + b] = reduce_add(sum);
       q.scales[m * q.blocks + b] = absmax / 127.f;
       q.sum_scales[m * q.blocks + b] = q.scales[m * q.blocks + b] * static_cast<float>(q.sums[m * q.blocks + b]);
+      if (q.q4_offsets)  // at most 8 * 32 * 127 = 32,512 in magnitude: an int16
+        q.q4_offsets[m * q.blocks + b] = static_cast<uint16_t>(static_cast<int16_t>(-8 * q.sums[m * q.blocks + b]));
     }
 }
 

@@ -131,6 +131,21 @@ def test_q4k_kernel_is_exact_at_the_largest_integers(path_kernels, rows):
     assert torch.equal(q4k_mm(x, layouts.pack_q4k(*parts)), reference.q4k_matmul(x, *parts))
 
 
+@pytest.mark.parametrize("rows", [1, 6, 16, 48])
+def test_q4_kernel_is_exact_at_the_largest_integers(path_kernels, rows):
+    """Activations at full scale (both signs) against nibbles of 0 (q - 8 = -8) and some of 15: where the AVX2 pair
+    loop starts a row's int16 pair sums at -8 * sum(xq), one pair of each row ends at its bound (2 * 16 * 8 * 127 =
+    32,512, one short of what wraps), after partial sums that wrap on the way."""
+    q4_mm = require(path_kernels.q4_mm, "q4")
+    generator = torch.Generator().manual_seed(13)
+    n, k = 32, 512
+    q = torch.where(torch.rand(n, k, generator=generator) < 0.9, 0, 15).to(torch.uint8)
+    q[:8] = 0  # a whole group at the bound
+    d = torch.full((n, k // 32), 1e-3).half()
+    x = torch.ones(rows, k) * torch.where(torch.rand(rows, 1, generator=generator) < 0.5, 1.0, -1.0)
+    assert torch.equal(q4_mm(x, layouts.pack_q4(q, d)), reference.q4_matmul(x, q, d))
+
+
 @pytest.mark.parametrize("rows", [1, 16, 48])
 def test_q6k_kernel_is_exact_at_the_largest_integers(path_kernels, rows):
     """Activations at full scale (both signs) against 6-bit values at their ends and scales of -128 and 127: each
