@@ -53,6 +53,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
+import llguidance.hf  # imports transformers: a server's start does that with the collector off (app.py)
 import numpy as np
 import torch
 
@@ -164,8 +165,6 @@ class GrammarCompiler:
     def _tokenizer(self) -> llguidance.LLTokenizer:
         with self._tokenizer_lock:  # built once (~0.5 s for a 49k vocabulary), on the first request that needs it
             if self._ll_tokenizer is None:
-                import llguidance.hf  # here, not at the top: it imports transformers, which `import engine` need not
-
                 try:
                     self._ll_tokenizer = llguidance.hf.from_tokenizer(
                         self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos_ids)
