@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serve  # noqa: E402  bench/serve.py: one sweep against one server
 from rounds import kernel_flags  # noqa: E402
+from trees import write_bytecode  # noqa: E402
 
 
 def free_port() -> int:
@@ -215,6 +216,7 @@ def main() -> None:
 
         args.models = [default_gguf_path()]
     servers = ["tern", "llama-server"]
+    write_bytecode(ROOT)  # Tern's own modules compiled, as a user's second start finds them
     table = []
     for model in args.models:
         read_through(model)

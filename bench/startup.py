@@ -34,6 +34,7 @@ from engine.config import default_cache_dir  # noqa: E402
 from engine.weights.checkpoint import GGUF_INDEX_KIND, GGUF_METADATA_KIND, default_gguf_path  # noqa: E402
 from gguf_servers import free_port, stop_process  # noqa: E402
 from rounds import _cpu_flags  # noqa: E402
+from trees import write_bytecode  # noqa: E402
 POLL_S = 0.02
 
 
@@ -67,14 +68,6 @@ def ready_s(cmd: list[str], cwd: Path, is_tern: bool, timeout_s: float = 900, en
         raise SystemExit(f"{' '.join(cmd)}: not ready after {timeout_s} s")
     finally:
         stop_process(process, timeout_s=30)
-
-
-def write_bytecode(checkout: Path) -> None:
-    """Each checkout's own modules compiled to bytecode once, as Python caches them at a user's first start: where
-    PYTHONDONTWRITEBYTECODE is set (these VMs), every start compiled them again (~0.25 s of a 2-core start), which a
-    user's second start does not."""
-    sources = [str(checkout / name) for name in ("app.py", "api", "engine", "tern", "ui") if (checkout / name).exists()]
-    subprocess.run([sys.executable, "-m", "compileall", "-q", *sources], check=True, stdout=subprocess.DEVNULL)
 
 
 def forget_file(model: Path | None, cache: Path) -> None:
