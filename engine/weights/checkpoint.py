@@ -130,7 +130,7 @@ def load_tokenizer(folder: Path, hf_config, cache_dir: Path):
     recorded that AutoTokenizer resolves the folder to transformers' TokenizersBackend (a GGUF's tokenizer.json), that
     class is built directly: AutoTokenizer imports transformers.models, whose package reads every model's source
     files to index them (0.5-1 s of a start on 2 cores, most of it a second scan of what `import transformers` read).
-    The same class from the same files and arguments: tests/engine/weights/test_checkpoint.py holds the two alike."""
+    The same class from the same files and arguments: conftest.assert_tokenizer_as_autotokenizer holds the two alike."""
     if _is_gguf_metadata(folder, cache_dir):
         recorded = folder / TOKENIZER_CLASS_FILE
         if recorded.exists() and json.loads(recorded.read_text()).get("class") == "TokenizersBackend":
