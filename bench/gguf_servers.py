@@ -210,6 +210,7 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=1500)
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     args = parser.parse_args()
+    args.log_dir.mkdir(parents=True, exist_ok=True)
     if not args.models:
         sys.path.insert(0, str(ROOT))
         from engine.weights.checkpoint import default_gguf_path
