@@ -141,3 +141,30 @@ def test_int4_quantization_gives_a_4bit_checkpoint_its_own_values_back():
     constant = torch.full((8, 32), 0.25)
     q4, d4, m4 = quant.quantize_int4(constant)  # a block with one value: step 0, all of it in the minimum
     assert torch.equal(layouts.dequantize_int4(layouts.pack_int4(q4, d4, m4)), constant)
+
+
+def test_each_block_layouts_row_lookup_gives_the_rows_of_its_whole_matrix_for_any_number_of_ids():
+    """An embedding's lookup moves only its rows' bytes (8 ids to a group); whatever the count, repeats and groups
+    the ids fall in, each row is the de-quantized matrix's row, bit for bit."""
+    generator = torch.Generator().manual_seed(1)
+    rows, cols = 40, 512
+    q4, q5, q6 = (torch.randint(0, top, (rows, cols), dtype=torch.uint8, generator=generator) for top in (16, 32, 64))
+    per32 = lambda: torch.rand(rows, cols // 32, generator=generator).half()  # noqa: E731
+    per256 = lambda: torch.rand(rows, cols // 256, generator=generator).half()  # noqa: E731
+    levels = lambda: torch.randint(0, 64, (rows, cols // 32), dtype=torch.uint8, generator=generator)  # noqa: E731
+    cases = {
+        "q8": (layouts.pack_q8(torch.randint(-128, 128, (rows, cols), dtype=torch.int8, generator=generator), per32()),
+               layouts.q8_rows, layouts.dequantize_q8),
+        "int4": (layouts.pack_int4(q4, per32(), -per32()), layouts.int4_rows, layouts.dequantize_int4),
+        "q4": (layouts.pack_q4(q4, per32()), layouts.q4_rows, layouts.dequantize_q4),
+        "q4k": (layouts.pack_q4k(q4, levels(), levels(), per256(), per256()), layouts.q4k_rows, layouts.dequantize_q4k),
+        "q5k": (layouts.pack_q5k(q5, levels(), levels(), per256(), per256()), layouts.q5k_rows, layouts.dequantize_q5k),
+        "q6k": (layouts.pack_q6k(q6, torch.randint(-128, 128, (rows, cols // 16), generator=generator).to(torch.int8),
+                                 per256()), layouts.q6k_rows, layouts.dequantize_q6k),
+    }
+    for name, (packed, lookup, dequantize) in cases.items():
+        whole = dequantize(packed)
+        for ids in (torch.tensor([39]), torch.tensor([3, 3, 8, 15, 16, 39, 0, 7, 24, 31, 9, 9, 17]),
+                    torch.randint(0, rows, (5, 7), generator=generator), torch.arange(rows).flip(0)):
+            assert torch.equal(lookup(packed, ids), whole[ids]), (name, ids)
+        assert lookup(packed, torch.tensor([], dtype=torch.long)).shape == (0, cols), name
