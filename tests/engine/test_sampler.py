@@ -228,3 +228,20 @@ def test_draws_follow_the_reference_distribution(params):
     assert set(counts) == _support(expected)  # every allowed token turns up, and no other
     for token_id, p in enumerate(expected):
         assert abs(counts[token_id] / NUM_DRAWS - p) <= DRAW_TOLERANCE, (token_id, counts[token_id] / NUM_DRAWS, p)
+
+
+def test_rows_drawn_together_draw_what_each_would_alone():
+    """A seeded sequence draws the same tokens whatever shares its step: rows of different distributions, greedy ones
+    among them, sampled in one call, against each row sampled by itself with a generator seeded alike."""
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(9, 300, generator=generator) * 3
+    params = [dict(temperature=1.0), dict(temperature=0), dict(temperature=0.7, top_p=0.9), dict(top_k=5),
+              dict(temperature=1.5, min_p=0.02), dict(temperature=0), dict(temperature=1.0), dict(temperature=0.3),
+              dict(temperature=1.0, top_p=0.5)]
+    together = [_seq(seed=100 + i, **p) for i, p in enumerate(params)]
+    alone = [_seq(seed=100 + i, **p) for i, p in enumerate(params)]
+    for step in range(30):
+        drawn = [token_id for token_id, _ in sample(logits, together, EOS_IDS)]
+        single = [sample(logits[i:i + 1], [seq], EOS_IDS)[0][0] for i, seq in enumerate(alone)]
+        assert drawn == single, step
+    assert len({token_id for token_id, _ in sample(logits[:1].expand(200, -1), [_seq(seed=1)] * 200, EOS_IDS)}) > 20
