@@ -360,12 +360,12 @@ def q8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 # of each unit: a 32-byte register of 4 bytes a row, a 16-byte array of one fp16 a row, 8 bytes of one byte a row.
 # Every byte belongs to one row, and a row's values come from its bytes alone, so a lookup can move just its rows.
 _ROW_REGIONS = {
-    "q8": (32, 272, ((0, 256, 4), (256, 16, 2))),
-    "q4": (32, 144, ((0, 128, 4), (128, 16, 2))),
-    "int4": (32, 160, ((0, 128, 4), (128, 32, 2))),
-    "q4k": (256, Q4K_SUPER_BYTES, ((0, 32, 2), (32, 32, 4), (64, 64, 1), (128, 1024, 4))),
-    "q5k": (256, 1408, ((0, 32, 2), (32, 32, 4), (64, 64, 1), (128, 1280, 4))),
-    "q6k": (256, 1680, ((0, 16, 2), (16, 128, 1), (144, 1536, 4))),
+    "q8": (Q8_GROUP_COLS, 272, ((0, 256, 4), (256, 16, 2))),
+    "q4": (INT4_GROUP_COLS, 144, ((0, 128, 4), (128, 16, 2))),
+    "int4": (INT4_GROUP_COLS, 160, ((0, 128, 4), (128, 32, 2))),
+    "q4k": (Q4K_SUPER_COLS, Q4K_SUPER_BYTES, ((0, 32, 2), (32, 32, 4), (64, 64, 1), (128, 1024, 4))),
+    "q5k": (Q4K_SUPER_COLS, Q5K_SUPER_BYTES, ((0, 32, 2), (32, 32, 4), (64, 64, 1), (Q5K_HEADER_BYTES, 1280, 4))),
+    "q6k": (Q6K_SUPER_COLS, Q6K_SUPER_BYTES, ((0, 16, 2), (16, 128, 1), (144, 1536, 4))),
 }
 
 
