@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from engine.weights import quant
 from engine.errors import ModelLoadError
+from engine.kernels.dispatch import GGUF_REPACK_LAYOUTS
+from engine.weights import quant
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -28,6 +29,8 @@ _DTYPES = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+_GGML_TYPE_IDS = {"F32": 0, "F16": 1, "BF16": 30}  # the float types the kernels' GGUF repacking reads, by ggml id
+_REPACK_ROWS = 4096  # rows read and repacked at a time (a multiple of the q8 layout's groups of 8 rows)
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,22 @@ class SafetensorsFolder:
         raise ValueError(f"{name} is a float tensor in {self.path}")
 
     def q8(self, name: str, num_heads: int | None = None, repack=None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The matrix quantized into layouts.pack_q8's bytes, a few thousand rows at a time (into `out` if given)."""
+        """The matrix quantized into layouts.pack_q8's bytes, a few thousand rows at a time (into `out` if given):
+        by the kernel library's `repack` (CpuKernels.gguf_repack, which quantizes GGUF's F32, F16 and BF16 rows, the
+        same bytes as a safetensors file's, exactly as quant.pack_q8 does) in one pass where given, else through
+        float32. An 8B bf16 folder into int8: 136 s through float32 on a 2-core Intel VM."""
+        tensor = self._tensors[name]
+        if repack is not None and tensor.dtype_name in _GGML_TYPE_IDS and len(tensor.shape) == 2:
+            rows, cols = tensor.shape
+            type_id, layout = _GGML_TYPE_IDS[tensor.dtype_name], GGUF_REPACK_LAYOUTS["q8"]
+            chunks = []
+            for start in range(0, rows, _REPACK_ROWS):
+                stop = min(start + _REPACK_ROWS, rows)
+                raw = tensor.read_rows(start, stop).view(torch.uint8)
+                packed = repack(raw, type_id, cols, layout, None if out is None else out[start:stop])
+                if out is None:
+                    chunks.append(packed)
+            return out if out is not None else torch.cat(chunks)
         if out is None:
             return torch.cat([quant.pack_q8(rows) for rows in self.float_rows(name)])
         start = 0
