@@ -30,7 +30,7 @@ _DTYPES = {
 }
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 _GGML_TYPE_IDS = {"F32": 0, "F16": 1, "BF16": 30}  # the float types the kernels' GGUF repacking reads, by ggml id
-_REPACK_ROWS = 4096  # rows read and repacked at a time (a multiple of the q8 layout's groups of 8 rows)
+_ROWS_PER_READ = 4096  # rows of a big tensor read (and quantized) at a time: a multiple of q8's groups of 8 rows
 
 
 @dataclass(frozen=True)
@@ -132,8 +132,8 @@ class SafetensorsFolder:
             rows, cols = tensor.shape
             type_id, layout = _GGML_TYPE_IDS[tensor.dtype_name], GGUF_REPACK_LAYOUTS["q8"]
             chunks = []
-            for start in range(0, rows, _REPACK_ROWS):
-                stop = min(start + _REPACK_ROWS, rows)
+            for start in range(0, rows, _ROWS_PER_READ):
+                stop = min(start + _ROWS_PER_READ, rows)
                 raw = tensor.read_rows(start, stop).view(torch.uint8)
                 packed = repack(raw, type_id, cols, layout, None if out is None else out[start:stop])
                 if out is None:
@@ -151,7 +151,7 @@ class SafetensorsFolder:
         """float32, in memory of its own (not the file's mapping); rows already in transformers' order."""
         return self._tensors[name].read().to(torch.float32)
 
-    def float_rows(self, name: str, num_heads: int | None = None, rows: int = 4096):
+    def float_rows(self, name: str, num_heads: int | None = None, rows: int = _ROWS_PER_READ):
         tensor = self._tensors[name]
         total = tensor.shape[0]
         for start in range(0, total, rows):

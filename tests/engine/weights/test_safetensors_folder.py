@@ -103,7 +103,7 @@ def test_a_folders_matrix_into_q8_by_the_kernels_repacking_gives_the_float_paths
     from engine.weights import quant, safetensors_folder
 
     repack = require_op(path_kernels.gguf_repack, "GGUF repacking")
-    monkeypatch.setattr(safetensors_folder, "_REPACK_ROWS", 16)  # 40 rows: three chunks, the last a part one
+    monkeypatch.setattr(safetensors_folder, "_ROWS_PER_READ", 16)  # 40 rows: three chunks, the last a part one
     weight = (torch.randn(40, 256, generator=torch.Generator().manual_seed(3)) * 0.05).to(dtype)
     save_file({"w": weight}, tmp_path / "model.safetensors")
     folder = SafetensorsFolder(tmp_path)
