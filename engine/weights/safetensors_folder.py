@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
 
 from engine.errors import ModelLoadError
 from engine.kernels.dispatch import GGUF_REPACK_LAYOUTS
@@ -29,7 +30,7 @@ _DTYPES = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
-_GGML_TYPE_IDS = {"F32": 0, "F16": 1, "BF16": 30}  # the float types the kernels' GGUF repacking reads, by ggml id
+_REPACKED_FLOATS = ("F32", "F16", "BF16")  # float rows the kernels' GGUF repacking reads: GGUF's types of these names
 _ROWS_PER_READ = 4096  # rows of a big tensor read (and quantized) at a time: a multiple of q8's groups of 8 rows
 
 
@@ -128,24 +129,21 @@ class SafetensorsFolder:
         same bytes as a safetensors file's, exactly as quant.pack_q8 does) in one pass where given, else through
         float32. An 8B bf16 folder into int8: 136 s through float32 on a 2-core Intel VM."""
         tensor = self._tensors[name]
-        if repack is not None and tensor.dtype_name in _GGML_TYPE_IDS and len(tensor.shape) == 2:
-            rows, cols = tensor.shape
-            type_id, layout = _GGML_TYPE_IDS[tensor.dtype_name], GGUF_REPACK_LAYOUTS["q8"]
-            chunks = []
-            for start in range(0, rows, _ROWS_PER_READ):
-                stop = min(start + _ROWS_PER_READ, rows)
+        rows = tensor.shape[0]
+        if repack is not None and tensor.dtype_name in _REPACKED_FLOATS and len(tensor.shape) == 2:
+            type_id, cols = int(GGMLQuantizationType[tensor.dtype_name]), tensor.shape[1]
+
+            def pack(start: int, stop: int, into: torch.Tensor | None) -> torch.Tensor:
                 raw = tensor.read_rows(start, stop).view(torch.uint8)
-                packed = repack(raw, type_id, cols, layout, None if out is None else out[start:stop])
-                if out is None:
-                    chunks.append(packed)
-            return out if out is not None else torch.cat(chunks)
-        if out is None:
-            return torch.cat([quant.pack_q8(rows) for rows in self.float_rows(name)])
-        start = 0
-        for rows in self.float_rows(name):
-            out[start:start + rows.shape[0]] = quant.pack_q8(rows)
-            start += rows.shape[0]
-        return out
+                return repack(raw, type_id, cols, GGUF_REPACK_LAYOUTS["q8"], into)
+        else:
+            def pack(start: int, stop: int, into: torch.Tensor | None) -> torch.Tensor:
+                packed = quant.pack_q8(tensor.read_rows(start, stop).to(torch.float32))
+                return packed if into is None else into.copy_(packed)
+        chunks = [pack(start, min(start + _ROWS_PER_READ, rows),
+                       None if out is None else out[start:start + _ROWS_PER_READ])
+                  for start in range(0, rows, _ROWS_PER_READ)]
+        return out if out is not None else torch.cat(chunks)
 
     def float(self, name: str, num_heads: int | None = None) -> torch.Tensor:
         """float32, in memory of its own (not the file's mapping); rows already in transformers' order."""
