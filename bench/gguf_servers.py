@@ -4,6 +4,7 @@
     ../shared/tools/make_model.py llama1b /tmp/llama1b ... --quants Q4_0,Q4_K_M,Q8_0   # random 1B-shaped GGUFs
     .venv/bin/python bench/gguf_servers.py --llama-bin ~/.cache/llama-cpp-src/llama.cpp/build/bin \
         --rounds 2 FILE.gguf [FILE.gguf ...]              # no file: the default model
+    ... --rounds 3 --starts-only FILE.gguf                # ready and memory at ready only
 
 Per file and round (the order of the servers reversed every other round), each server alone on the machine:
 - llama-server `-t 2 -np 1` for one stream and the prefill, `-np 16` for 16 streams (continuous batching over slots);
@@ -183,6 +184,8 @@ def measure(server: str, model: Path, args) -> dict:
         result["ready_s"] = first.ready_s
         result["load_peak_mb"] = first.at_ready.get("VmHWM", float("nan"))
         result["ready_mb"] = first.at_ready.get("VmRSS", float("nan"))
+        if args.starts_only:
+            return result
         before = read_gbs()
         one = first.sweep(1)
         result["read_gbs"] = (before + read_gbs()) / 2
@@ -209,6 +212,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prefill-tokens", type=int, default=1500)
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp"))
+    parser.add_argument("--starts-only", action="store_true",
+                        help="only start each server and stop it once ready: ready s and memory at ready, a minute a "
+                             "file where the whole run takes half an hour")
     args = parser.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
     if not args.models:
@@ -242,6 +248,22 @@ def print_tables(table: list, servers: list[str], args) -> None:
         paths = sorted({r["kernels"] for _, rounds in table for r in rounds[name]})
         print(f"{name} ran: {'; '.join(paths)}")
     print()
+    if args.starts_only:
+        print("| GGUF | file MiB | ready s Tern vs llama-server (median difference) | peak MiB loading | "
+              "resident MiB at ready |")
+        print("|---|---|---|---|---|")
+        for model, rounds in table:
+            tern, llama = rounds["tern"], rounds["llama-server"]
+
+            def both(key: str, digits: int) -> str:
+                return (", ".join(f"{r[key]:.{digits}f}" for r in tern) + " vs "
+                        + ", ".join(f"{r[key]:.{digits}f}" for r in llama))
+
+            behind = statistics.median(a["ready_s"] - b["ready_s"] for a, b in zip(tern, llama))
+            print(f"| {model.name} | {model.stat().st_size / 2**20:.0f} | {both('ready_s', 1)} (**{behind:+.1f} s**) | "
+                  f"{both('load_peak_mb', 0)} | {both('ready_mb', 0)} |")
+        sys.stdout.flush()
+        return
     # MiB throughout (/proc's kB / 1024 for memory), so memory / (file + KV) is one unit's ratio.
     print("| GGUF | file MiB | 1 stream tok/s Tern vs llama-server | 16 streams | prefill s (~"
           f"{args.prefill_tokens} tokens) | ready s | peak MiB loading | resident MiB at ready | "

@@ -29,6 +29,8 @@ from engine.weights.gguf_blocks import GGUF_TYPES, dequantize, supported_names
 from engine.kernels import GGUF_REPACK_LAYOUTS
 from engine.models import NATIVE_MODELS
 
+_REPACKED_FLOATS = (T.F32, T.F16, T.BF16)  # the float types the kernels' repacking quantizes into int4
+
 # llama.cpp's converter reorders the rows of q and k for these (its RoPE pairs neighbours, HF's pairs halves).
 PERMUTED_QK_ARCHITECTURES = ("llama",)
 # ... and stores Gemma's RMSNorm weights plus one (its kernel multiplies by the weight; Gemma's norm by 1 + weight):
@@ -176,6 +178,16 @@ class GgufFile:
         if GGUF_TYPES[tensor.tensor_type].holds("q8"):
             return self.packed(name, num_heads, out=out, layout="q8")
         return _into(torch.cat([quant.pack_q8(rows) for rows in self.float_rows(name, num_heads)]), out)
+
+    def int4(self, name: str, num_heads: int | None = None, repack=None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The matrix re-quantized into layouts.pack_int4's bytes per 32 values (quant.quantize_int4 of gguf's
+        de-quantized values): F32, F16 and BF16 by `repack` in one pass where given, else through float32 a few
+        thousand rows at a time; written into `out` where given."""
+        tensor = self._tensors[name]
+        if repack is not None and tensor.tensor_type in _REPACKED_FLOATS:
+            return repack(self.raw(name, num_heads, scratch=True), int(tensor.tensor_type), self.shape(name)[1],
+                          GGUF_REPACK_LAYOUTS["int4"], out)
+        return _into(torch.cat([quant.pack_int4(rows) for rows in self.float_rows(name, num_heads)]), out)
 
     def type_name(self, name: str) -> str:
         return self._tensors[name].tensor_type.name

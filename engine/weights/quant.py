@@ -139,6 +139,16 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return q.to(torch.uint8).reshape(rows, cols), step, minimum
 
 
+def pack_int4(weight: torch.Tensor) -> torch.Tensor:
+    """A float matrix quantized (quantize_int4) into layouts.pack_int4's layout."""
+    return layouts.pack_int4(*quantize_int4(weight))
+
+
+# A float matrix into a kernel layout's bytes, by the layout's name (GGUF_REPACK_LAYOUTS' names): what the kernel
+# library's repacking of float rows matches byte for byte.
+PACK_FROM_FLOAT = {"q8": pack_q8, "int4": pack_int4}
+
+
 def unsupported_reason(mode: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str | None:
     """None when `mode` runs on this machine, else one line naming what is missing."""
     if mode not in MODES:

@@ -124,10 +124,18 @@ class SafetensorsFolder:
         raise ValueError(f"{name} is a float tensor in {self.path}")
 
     def q8(self, name: str, num_heads: int | None = None, repack=None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The matrix quantized into layouts.pack_q8's bytes, a few thousand rows at a time (into `out` if given):
-        by the kernel library's `repack` (CpuKernels.gguf_repack, which quantizes GGUF's F32, F16 and BF16 rows, the
-        same bytes as a safetensors file's, exactly as quant.pack_q8 does) in one pass where given, else through
-        float32. An 8B bf16 folder into int8: 136 s through float32 on a 2-core Intel VM."""
+        """The matrix quantized into layouts.pack_q8's bytes (quant.pack_q8), by _quantized."""
+        return self._quantized(name, "q8", repack, out)
+
+    def int4(self, name: str, num_heads: int | None = None, repack=None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The matrix quantized into layouts.pack_int4's bytes (quant.quantize_int4), by _quantized."""
+        return self._quantized(name, "int4", repack, out)
+
+    def _quantized(self, name: str, layout: str, repack, out: torch.Tensor | None) -> torch.Tensor:
+        """The matrix in `layout` ("q8" or "int4"), a few thousand rows at a time (into `out` if given): by the kernel
+        library's `repack` (CpuKernels.gguf_repack, which quantizes GGUF's F32, F16 and BF16 rows, the same bytes as
+        a safetensors file's, exactly as quant.pack_q8 and quant.quantize_int4 do) in one pass where given, else
+        through float32. An 8B bf16 folder on a 2-core Intel VM, through float32: into int8 136 s, into int4 161 s."""
         tensor = self._tensors[name]
         rows = tensor.shape[0]
         if repack is not None and tensor.dtype_name in _REPACKED_FLOATS and len(tensor.shape) == 2:
@@ -135,10 +143,10 @@ class SafetensorsFolder:
 
             def pack(start: int, stop: int, into: torch.Tensor | None) -> torch.Tensor:
                 raw = tensor.read_rows(start, stop).view(torch.uint8)
-                return repack(raw, type_id, cols, GGUF_REPACK_LAYOUTS["q8"], into)
+                return repack(raw, type_id, cols, GGUF_REPACK_LAYOUTS[layout], into)
         else:
             def pack(start: int, stop: int, into: torch.Tensor | None) -> torch.Tensor:
-                packed = quant.pack_q8(tensor.read_rows(start, stop).to(torch.float32))
+                packed = quant.PACK_FROM_FLOAT[layout](tensor.read_rows(start, stop).to(torch.float32))
                 return packed if into is None else into.copy_(packed)
         chunks = [pack(start, min(start + _ROWS_PER_READ, rows),
                        None if out is None else out[start:start + _ROWS_PER_READ])

@@ -15,7 +15,7 @@ the served weights plus about one tensor in float32.
 A source answers: path, reading() (a context the whole load runs in), names(), `in`, shape(name), type_name(name),
 layout(name) ("int4", "q4", "q4k", "q5k", "q6k", "q8" or None), packed(name, heads, repack, out, layout) (the tensor in that
 layout's bytes, or in int4's for a q4 or q4k tensor), q8(name, heads, repack) (the matrix in q8's, re-quantized where the type's
-levels are not int8's), float(name, heads) and float_rows(name, heads); `repack` is the kernel
+levels are not int8's), int4(name, heads, repack) (in int4's, re-quantized from its values), float(name, heads) and float_rows(name, heads); `repack` is the kernel
 library's GGUF repacking (CpuKernels.gguf_repack, None without it) and `heads`
 names how many heads a q or k matrix holds, for sources whose rows are stored in another order (llama.cpp's
 converter permutes them).
@@ -132,6 +132,10 @@ class _LayerBuilder:
     def _as_int4(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         return self._packed(name, out, "int4")
 
+    def _int4_from_float(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """layouts.pack_int4's bytes re-quantized from the tensor's values (quant.quantize_int4)."""
+        return self.source.int4(name, self._heads(name), self.repack, out)
+
     def _float(self, name: str) -> torch.Tensor:
         return self.source.float(name, self._heads(name))
 
@@ -198,7 +202,7 @@ class _LayerBuilder:
         if self.mode == "int4" and int4_from_float and all(self._fits(n) for n in names):
             for type_name in types:
                 self.served[(type_name, "int4 (re-quantized)")] += 1
-            return Int4Linear(torch.cat([layouts.pack_int4(*quant.quantize_int4(self._float(n))) for n in names]), bias)
+            return Int4Linear(self._stacked(names, cols * 5 // 8, self._int4_from_float), bias)
         if self.mode != "none" and all(self._fits(n) for n in names):
             return Q8Linear(self._stacked(names, self.source.shape(names[0])[1] * 17 // 16, self._q8), bias)
         if self.mode != "none":

@@ -1,8 +1,8 @@
 // GGUF blocks into Tern's layouts at load time (kernels.h: gguf_int4_groups, gguf_q4_groups, gguf_q4k_groups,
 // gguf_q5k_groups, gguf_q6k_groups, gguf_q8_groups): the C++ twins of engine/weights/gguf_blocks.py's torch repacking
-// (int4: Q4_0, Q4_1, Q4_K; q4: Q4_0; q4k: Q4_K; q5k: Q5_K; q6k: Q6_K) and of gguf's numpy de-quantizer followed by
+// (int4: Q4_0, Q4_1, Q4_K; q4: Q4_0; q4k: Q4_K; q5k: Q5_K; q6k: Q6_K), of gguf's numpy de-quantizer followed by
 // quant.quantize_q8 (q8: Q8_0 as it is, Q4_0 and Q5_0 levels as they are; Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, F16, BF16,
-// F32 re-quantized per 32 values).
+// F32 re-quantized per 32 values) and of quant.quantize_int4 (int4: F16, BF16, F32 quantized per 32 values).
 // Bit for bit the same bytes: the float steps are numpy's and torch's, in their order, with no fused multiply-add
 // (-ffp-contract=off) and round-to-nearest-even everywhere. Why in C++: torch's many passes and gguf's numpy spent
 // 3-4 s of a 1B Q4_K_M file's start on 2 cores; this reads each block once.
@@ -61,12 +61,56 @@ inline void k_quant_words(const uint8_t* nibbles, int j, uint32_t* words) {
   }
 }
 
-// Block b (32 values) of a 4-bit row as layouts.pack_int4's 4 register words of that row (word j: columns
-// 8j..8j+3 in the low nibbles, 8j+4..8j+7 in the high ones), built from whole 32-bit words of the file's nibbles,
-// and the fp16 bits of d and m (w = d * q + m).
+template <int type>
+inline void float_block(const uint8_t* row, int64_t b, float* w);
+
+// quant.quantize_int4 of 32 values (Q4_1's rule): the minimum rounded to fp16 first, then the step (max - minimum) /
+// 15 to fp16, q = round((w - minimum) / step) in 0..15 (0 where the step is 0), as layouts.pack_int4's 4 register
+// words.
+inline void quantize_int4_block(const float* w, uint32_t* words, uint16_t& d, uint16_t& m) {
+  __m256 low8 = _mm256_loadu_ps(w), high8 = low8;
+  for (int i = 8; i < 32; i += 8) {
+    low8 = _mm256_min_ps(low8, _mm256_loadu_ps(w + i));
+    high8 = _mm256_max_ps(high8, _mm256_loadu_ps(w + i));
+  }
+  alignas(32) float lows[8], highs[8];
+  _mm256_store_ps(lows, low8);
+  _mm256_store_ps(highs, high8);
+  float low = lows[0], high = highs[0];
+  for (int i = 1; i < 8; ++i) {
+    low = std::min(low, lows[i]);
+    high = std::max(high, highs[i]);
+  }
+  m = float_to_half(low);
+  const float minimum = _cvtsh_ss(m);
+  d = float_to_half((high - minimum) / 15.0f);
+  const float step = _cvtsh_ss(d);
+  alignas(32) int32_t q[32] = {};
+  if (step > 0) {
+    for (int i = 0; i < 32; i += 8) {
+      __m256 v = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(w + i), _mm256_set1_ps(minimum)), _mm256_set1_ps(step));
+      v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v = _mm256_min_ps(_mm256_max_ps(v, _mm256_setzero_ps()), _mm256_set1_ps(15.0f));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q + i), _mm256_cvtps_epi32(v));
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    words[j] = 0;
+    for (int i = 0; i < 4; ++i)
+      words[j] |= static_cast<uint32_t>(q[8 * j + i] | (q[8 * j + 4 + i] << 4)) << (8 * i);
+  }
+}
+
+// Block b (32 values) of a row as layouts.pack_int4's 4 register words of that row (word j: columns 8j..8j+3 in the
+// low nibbles, 8j+4..8j+7 in the high ones), and the fp16 bits of d and m (w = d * q + m): a 4-bit type's from whole
+// 32-bit words of the file's nibbles, a float type's quantized (quantize_int4_block).
 template <int type>
 inline void int4_block(const uint8_t* row, int64_t b, uint32_t* words, uint16_t& d, uint16_t& m) {
-  if constexpr (type == kQ4_0 || type == kQ4_1) {
+  if constexpr (type == kF32 || type == kF16 || type == kBF16) {
+    alignas(32) float w[32];
+    float_block<type>(row, b, w);
+    quantize_int4_block(w, words, d, m);
+  } else if constexpr (type == kQ4_0 || type == kQ4_1) {
     // 16 bytes: values 0..15 in the low nibbles, 16..31 in the high ones.
     const uint8_t* block = row + b * (type == kQ4_0 ? 18 : 20);
     const uint8_t* qs = block + (type == kQ4_0 ? 2 : 4);
@@ -244,7 +288,9 @@ int64_t row_bytes(int type, int64_t cols) {
 
 int64_t gguf_row_bytes(int type, int64_t cols) { return row_bytes(type, cols); }
 
-bool gguf_has_int4(int type) { return type == kQ4_0 || type == kQ4_1 || type == kQ4_K; }
+bool gguf_has_int4(int type) {
+  return type == kQ4_0 || type == kQ4_1 || type == kQ4_K || type == kF32 || type == kF16 || type == kBF16;
+}
 
 bool gguf_has_q4(int type) { return type == kQ4_0; }
 
@@ -446,6 +492,9 @@ void q8_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
 
 void gguf_int4_groups(const GgufRepack& p, int64_t g0, int64_t g1) {
   switch (p.type) {
+    case kF32: return int4_groups<kF32>(p, g0, g1);
+    case kF16: return int4_groups<kF16>(p, g0, g1);
+    case kBF16: return int4_groups<kBF16>(p, g0, g1);
     case kQ4_0: return int4_groups<kQ4_0>(p, g0, g1);
     case kQ4_1: return int4_groups<kQ4_1>(p, g0, g1);
     case kQ4_K: return int4_groups<kQ4_K>(p, g0, g1);

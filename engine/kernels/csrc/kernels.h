@@ -175,7 +175,7 @@ void silu_mul_avx2(const float* gate_up, float* act, int64_t inter, int64_t i0, 
 using SiluMul = void (*)(const float* gate_up, float* act, int64_t inter, int64_t i0, int64_t i1);
 
 // A GGUF matrix's raw blocks ([rows, gguf_row_bytes(type, cols)], ggml type ids) into Tern's int4 layout (Q4_0,
-// Q4_1, Q4_K: gguf_has_int4), q4 layout (Q4_0 as it is), q4k layout (Q4_K as it is), q5k layout (Q5_K as it is), q6k layout (Q6_K as it is) or q8 layout (Q8_0 as it is; Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
+// Q4_1, Q4_K; F16, BF16, F32 quantized per 32 values as quant.quantize_int4 does: gguf_has_int4), q4 layout (Q4_0 as it is), q4k layout (Q4_K as it is), q5k layout (Q5_K as it is), q6k layout (Q6_K as it is) or q8 layout (Q8_0 as it is; Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
 // Q5_K, Q6_K, F16, BF16, F32 re-quantized per 32 values as quant.quantize_q8 does), groups of 8 rows [g0, g1)
 // (gguf_repack_avx2.cpp).
 struct GgufRepack {

@@ -207,7 +207,8 @@ REPACKED_TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q8_0
 @pytest.mark.parametrize("ggml_type", REPACKED_TYPES, ids=lambda t: t.name)
 def test_the_kernel_librarys_repacking_gives_its_plain_twins_bytes(ggml_type, path_kernels):
     """At load time the kernel library repacks a GGUF matrix in one pass (CpuKernels.gguf_repack); its twins are
-    gguf_blocks' torch repacking (int4) and gguf's de-quantizer followed by quant.quantize_q8 (q8): the same bytes,
+    gguf_blocks' torch repacking (int4) and gguf's de-quantizer followed by quant.quantize_q8 (q8) or, for float
+    types, quant.quantize_int4 (int4): the same bytes,
     so the file's values (or their q8 rounding) do not depend on whether a kernel path was built."""
     from engine.weights import quant
 
@@ -224,6 +225,9 @@ def test_the_kernel_librarys_repacking_gives_its_plain_twins_bytes(ggml_type, pa
     else:  # into q8 (a fused layer with a part that is not 4-bit takes q8 whole)
         floats = torch.from_numpy(quants.dequantize(raw.numpy(), ggml_type).astype(np.float32)).reshape(rows, cols)
         assert torch.equal(repack(raw, int(ggml_type), cols, GGUF_REPACK_LAYOUTS["q8"]), quant.pack_q8(floats))
+    if ggml_type in (T.F16, T.BF16, T.F32):  # --quantization int4 of a float file (or a folder's rows) in one pass
+        floats = torch.from_numpy(quants.dequantize(raw.numpy(), ggml_type).astype(np.float32)).reshape(rows, cols)
+        assert torch.equal(repack(raw, int(ggml_type), cols, GGUF_REPACK_LAYOUTS["int4"]), quant.pack_int4(floats))
 
 
 def every(ggml_type: T, **others: T) -> dict[str, T]:

@@ -94,22 +94,28 @@ def test_reading_a_folder_leaves_none_of_its_files_pages_resident_in_the_process
     assert grown_mib < 16, f"{grown_mib:.0f} MiB of the 96 MiB file stayed resident in the process"
 
 
+@pytest.mark.parametrize("layout", ["q8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_a_folders_matrix_into_q8_by_the_kernels_repacking_gives_the_float_paths_bytes(dtype, path_kernels,
-                                                                                        tmp_path, monkeypatch):
-    """Where a kernel path is built the folder's float rows go into q8 in one C++ pass (CpuKernels.gguf_repack),
-    several chunks of rows for a big matrix, into a new tensor or the fused layer's `out`; without it through float32
-    and quant.pack_q8. The same bytes either way."""
+def test_a_folders_matrix_by_the_kernels_repacking_gives_the_float_paths_bytes(layout, dtype, path_kernels,
+                                                                               tmp_path, monkeypatch):
+    """Where a kernel path is built the folder's float rows go into q8 or int4 in one C++ pass
+    (CpuKernels.gguf_repack), several chunks of rows for a big matrix, into a new tensor or the fused layer's `out`;
+    without it through float32 and quant.pack_q8 / quant.pack_int4. The same bytes either way, blocks of one value
+    (a zero step) and of evenly spaced levels included."""
     from engine.weights import quant, safetensors_folder
 
     repack = require_op(path_kernels.gguf_repack, "GGUF repacking")
     monkeypatch.setattr(safetensors_folder, "_ROWS_PER_READ", 16)  # 40 rows: three chunks, the last a part one
-    weight = (torch.randn(40, 256, generator=torch.Generator().manual_seed(3)) * 0.05).to(dtype)
+    weight = torch.randn(40, 256, generator=torch.Generator().manual_seed(3)) * 0.05
+    weight[2, :32] = 0.25
+    weight[5, 32:64] = -0.5 + torch.arange(32) % 16 * 0.0625
+    weight = weight.to(dtype)
     save_file({"w": weight}, tmp_path / "model.safetensors")
     folder = SafetensorsFolder(tmp_path)
-    expected = quant.pack_q8(weight.float())
-    assert torch.equal(folder.q8("w"), expected)
-    assert torch.equal(folder.q8("w", repack=repack), expected)
+    quantized = getattr(folder, layout)
+    expected = quant.PACK_FROM_FLOAT[layout](weight.float())
+    assert torch.equal(quantized("w"), expected)
+    assert torch.equal(quantized("w", repack=repack), expected)
     out = torch.zeros(48, expected.shape[1], dtype=torch.uint8)
-    folder.q8("w", repack=repack, out=out[8:])
+    quantized("w", repack=repack, out=out[8:])
     assert torch.equal(out[8:], expected) and not out[:8].any()
