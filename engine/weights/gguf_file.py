@@ -29,7 +29,8 @@ from engine.weights.gguf_blocks import GGUF_TYPES, dequantize, supported_names
 from engine.kernels import GGUF_REPACK_LAYOUTS
 from engine.models import NATIVE_MODELS
 
-_REPACKED_FLOATS = (T.F32, T.F16, T.BF16)  # the float types the kernels' repacking quantizes into int4
+# The float types the kernels' repacking quantizes into q8 and int4 (a safetensors folder's rows of these names too).
+REPACKED_FLOATS = (T.F32, T.F16, T.BF16)
 
 # llama.cpp's converter reorders the rows of q and k for these (its RoPE pairs neighbours, HF's pairs halves).
 PERMUTED_QK_ARCHITECTURES = ("llama",)
@@ -184,7 +185,7 @@ class GgufFile:
         de-quantized values): F32, F16 and BF16 by `repack` in one pass where given, else through float32 a few
         thousand rows at a time; written into `out` where given."""
         tensor = self._tensors[name]
-        if repack is not None and tensor.tensor_type in _REPACKED_FLOATS:
+        if repack is not None and tensor.tensor_type in REPACKED_FLOATS:
             return repack(self.raw(name, num_heads, scratch=True), int(tensor.tensor_type), self.shape(name)[1],
                           GGUF_REPACK_LAYOUTS["int4"], out)
         return _into(torch.cat([quant.pack_int4(rows) for rows in self.float_rows(name, num_heads)]), out)

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from gguf import GGMLQuantizationType
 
 from engine.errors import ModelLoadError
 from engine.kernels.dispatch import GGUF_REPACK_LAYOUTS
 from engine.weights import quant
+from engine.weights.gguf_file import REPACKED_FLOATS
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -30,7 +30,7 @@ _DTYPES = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
-_REPACKED_FLOATS = ("F32", "F16", "BF16")  # float rows the kernels' GGUF repacking reads: GGUF's types of these names
+_REPACKED_TYPE_IDS = {t.name: int(t) for t in REPACKED_FLOATS}  # a header's dtype name -> its ggml type id
 _ROWS_PER_READ = 4096  # rows of a big tensor read (and quantized) at a time: a multiple of q8's groups of 8 rows
 
 
@@ -138,8 +138,8 @@ class SafetensorsFolder:
         through float32. An 8B bf16 folder on a 2-core Intel VM, through float32: into int8 136 s, into int4 161 s."""
         tensor = self._tensors[name]
         rows = tensor.shape[0]
-        if repack is not None and tensor.dtype_name in _REPACKED_FLOATS and len(tensor.shape) == 2:
-            type_id, cols = int(GGMLQuantizationType[tensor.dtype_name]), tensor.shape[1]
+        if repack is not None and tensor.dtype_name in _REPACKED_TYPE_IDS and len(tensor.shape) == 2:
+            type_id, cols = _REPACKED_TYPE_IDS[tensor.dtype_name], tensor.shape[1]
 
             def pack(start: int, stop: int, into: torch.Tensor | None) -> torch.Tensor:
                 raw = tensor.read_rows(start, stop).view(torch.uint8)
