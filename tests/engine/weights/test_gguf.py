@@ -474,6 +474,43 @@ def test_the_load_says_what_serves_q5_k(tmp_path, caplog, has_kernel):
     assert "Q6_K as q6k" in summary
 
 
+def test_large_tensors_read_in_two_halves_give_the_files_bytes_with_q_and_k_rows_in_transformers_order(tmp_path):
+    """Within a load (reading()), reads of 8 MiB and more go half on a helper thread and q and k rows are put back in
+    order into memory kept for the next matrix: each matrix read is the file's bytes, its q and k rows in the order
+    transformers' own GGUF loader gives them, however many reads went before (a big q, a small k, a big q again)."""
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    from engine.weights.gguf_file import GgufFile
+
+    heads, kv_heads, head_dim, cols = 16, 4, 128, 1024  # q: 8 MiB of float32, read in halves; k: 2 MiB, read whole
+    rng = np.random.default_rng(0)
+    values = {"attn_q": rng.standard_normal((heads * head_dim, cols)).astype(np.float32),
+              "attn_k": rng.standard_normal((kv_heads * head_dim, cols)).astype(np.float32),
+              "ffn_down": rng.standard_normal((heads * head_dim, cols)).astype(np.float32)}
+    path = tmp_path / "large.gguf"
+    writer = GGUFWriter(path, "llama")
+    for part, matrix in values.items():
+        writer.add_tensor(f"blk.0.{part}.weight", matrix)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    processor = LlamaTensorProcessor({"num_attention_heads": heads, "num_key_value_heads": kv_heads})
+    expected = {part: processor.process(matrix, f"blk.0.{part}.weight").weights for part, matrix in values.items()}
+    assert not np.array_equal(expected["attn_q"], values["attn_q"])  # the file's rows are in another order
+    names = {"attn_q": ("model.layers.0.self_attn.q_proj.weight", heads),
+             "attn_k": ("model.layers.0.self_attn.k_proj.weight", kv_heads),
+             "ffn_down": ("model.layers.0.mlp.down_proj.weight", None)}
+    source = GgufFile.open(path)
+    with source.reading():
+        for part in ("attn_q", "attn_k", "ffn_down", "attn_q"):
+            name, num_heads = names[part]
+            read = source.raw(name, num_heads, scratch=True).view(torch.float32).numpy()
+            assert np.array_equal(read, expected[part]), part
+    for part, (name, num_heads) in names.items():  # outside a load: memory of its own, one read
+        assert np.array_equal(source.raw(name, num_heads).view(torch.float32).numpy(), expected[part]), part
+
+
 def test_a_cut_gguf_is_one_clear_error_naming_the_file_and_leaves_no_cache(tmp_path):
     path = write_tiny_gguf(tmp_path / "whole.gguf", every(T.Q4_0))
     cut = tmp_path / "cut.gguf"
