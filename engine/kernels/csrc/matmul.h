@@ -57,23 +57,62 @@ inline constexpr ActivationBlocks kPer32Activations{kInt4GroupCols};  // int4, q
 inline constexpr ActivationBlocks kQ4KActivations{kQ4KSuperCols, true, false};  // q4k and q5k
 inline constexpr ActivationBlocks kQ6KActivations{kQ6KSuperCols, false, true};
 
+// One thread's share of a parallel region's work, [front, back), in one word so that its owner (from the front)
+// and a thread done early (from the back) claim chunks of it with one compare-and-swap each.
+struct alignas(64) Share {
+  std::atomic<uint64_t> ends{0};  // front in the low 32 bits, back in the high 32
+
+  void set(int64_t front, int64_t back) { ends.store(static_cast<uint64_t>(back) << 32 | static_cast<uint64_t>(front), std::memory_order_relaxed); }
+  // The next `chunk` from the front (owner) or from the back (a helper); false once the share is used up.
+  bool claim(int64_t chunk, bool from_back, int64_t& i0, int64_t& i1) {
+    uint64_t v = ends.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t front = static_cast<int64_t>(v & 0xffffffffu), back = static_cast<int64_t>(v >> 32);
+      if (front >= back) return false;
+      i0 = from_back ? std::max(front, back - chunk) : front;
+      i1 = from_back ? back : std::min(back, front + chunk);
+      const uint64_t next = from_back ? static_cast<uint64_t>(i0) << 32 | static_cast<uint64_t>(front) :
+                                        static_cast<uint64_t>(back) << 32 | static_cast<uint64_t>(i1);
+      if (ends.compare_exchange_weak(v, next, std::memory_order_relaxed)) return true;
+    }
+  }
+};
+
 // run(i0, i1) over [0, count) for a step of `rows` activation rows: how the matmuls and attention share the threads.
-// Fewer rows: at::parallel_for's halves, `grain` its least share (a range no longer than one grain stays on one thread).
-// With many rows (prefill, a batch of streams) the kernels are bound by their instructions, and at::parallel_for's
-// fixed halves left whichever core ran slower that moment (the one that also runs Python, an interrupt, a neighbour on
-// the host) holding the other at the end of every parallel region, so there the work goes out in chunks to whichever
-// thread is free: ~1/8 of a thread's share, a multiple of `unit` (the AVX512 matmul loops take 2 or 4 groups at a
-// time). A 1,500-token prompt of a 1B Q4_K_M file on a 2-core Ice Lake VM (AVX2) took 0.85x the time, 16 streams
-// decoded 1.09-1.31x faster. At fewer rows the matmuls are bound by memory, and a thread done early leaves the other
-// the whole bandwidth, so halves lose nothing there; chunks cost one stream ~5% (each thread's read broken into
-// pieces), so those keep the halves.
+// Fewer rows (decode of a few streams): the matmuls are bound by memory, and each thread reads one contiguous share
+// front to back, as at::parallel_for's halves do (chunks dealt from one counter cost one stream ~5%: each thread's read
+// broken into pieces). But a share whose thread started late or was interrupted (by the thread that runs Python, or a
+// neighbour on the host) held the other at the end of every region, so a thread done with its own share takes chunks
+// from the back of one still running, a 1/16 of a share at a time; neither thread's read is broken before then.
+// With many rows (prefill, a batch of streams) the kernels are bound by their instructions and the work goes out in
+// chunks to whichever thread is free: ~1/8 of a thread's share, a multiple of `unit` (the AVX512 matmul loops take 2 or
+// 4 groups at a time). A 1,500-token prompt of a 1B Q4_K_M file on a 2-core Ice Lake VM (AVX2) took 0.85x the time, 16
+// streams decoded 1.09-1.31x faster. `grain`: the least share (a range no longer than one grain stays on one thread).
 constexpr int64_t kChunkedMinRows = 4;
+constexpr int64_t kShareChunks = 16;
 
 template <typename Run>
 inline void parallel_share(int64_t count, int64_t rows, int64_t grain, int64_t unit, const Run& run) {
   const int64_t threads = at::get_num_threads();
-  if (rows < kChunkedMinRows || threads == 1 || at::in_parallel_region() || count <= unit)
+  if (threads == 1 || at::in_parallel_region() || count <= unit || count >= (int64_t{1} << 31))
     return at::parallel_for(0, count, grain, [&](int64_t i0, int64_t i1) { run(i0, i1); });
+  if (rows < kChunkedMinRows) {
+    // as many shares as at::parallel_for would make halves: none shorter than a grain
+    const int64_t least = std::max<int64_t>(grain, 1), n = std::min(threads, (count + least - 1) / least);
+    if (n == 1) return run(0, count);
+    std::vector<Share> shares(n);
+    for (int64_t t = 0; t < n; ++t)
+      shares[t].set(count * t / n / unit * unit, t + 1 == n ? count : count * (t + 1) / n / unit * unit);
+    const int64_t chunk = std::max<int64_t>(unit, (count / (kShareChunks * n) + unit - 1) / unit * unit);
+    at::parallel_for(0, n, 1, [&](int64_t t0, int64_t t1) {
+      int64_t i0, i1;
+      for (int64_t t = t0; t < t1; ++t)
+        while (shares[t].claim(chunk, false, i0, i1)) run(i0, i1);
+      for (int64_t k = 1; k < n; ++k)  // then help the others, the next one first
+        while (shares[(t0 + k) % n].claim(chunk, true, i0, i1)) run(i0, i1);
+    });
+    return;
+  }
   const int64_t chunk = std::max<int64_t>(1, (count / (8 * threads) + unit - 1) / unit) * unit;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {

@@ -189,6 +189,28 @@ def test_q5k_kernel_equals_its_reference_bit_for_bit(path_kernels, dtype, rows):
         assert torch.equal(out, reference.q5k_matmul(x, *parts)), (n, k)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_decode_rows_get_every_output_once_however_the_threads_share_them(path_kernels, threads):
+    """A step of 1-3 rows gives each thread one contiguous share, and a thread done early takes chunks from the back of
+    another's (matmul.h: parallel_share); 3 threads on 2 cores make one of them late. Every output is computed, once,
+    in any timing: the outputs start as garbage where a kernel writes into torch.empty."""
+    q4_mm, q8_mm = require(path_kernels.q4_mm, "q4"), require(path_kernels.q8_mm, "q8")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 3):
+            for n in (8 * 101, 4096):  # a split with a remainder, and one of 16 chunks a share
+                x, q, d, _ = _int4_case(rows, n, 256, torch.float32, seed=n + rows)
+                _, q8, d8 = _q8_case(rows, n, 256, torch.float32, seed=n + rows)
+                packed_q4, packed_q8 = layouts.pack_q4(q, d), layouts.pack_q8(q8, d8)
+                want_q4, want_q8 = reference.q4_matmul(x, q, d), reference.q8_matmul(x, q8, d8)
+                for _ in range(30):
+                    assert torch.equal(q4_mm(x, packed_q4), want_q4), (rows, n)
+                    assert torch.equal(q8_mm(x, packed_q8), want_q8), (rows, n)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_row_gets_the_same_bits_alone_as_in_any_batch(path_kernels):
     """What makes a sequence's tokens independent of the other sequences sharing its steps."""
     q8_mm, int4_mm = require(path_kernels.q8_mm, "q8"), require(path_kernels.int4_mm, "int4")
