@@ -41,6 +41,23 @@ def num_tokens(tokens_html: str) -> int:
     return tokens_html.count('class="tern-token"')
 
 
+SHOWN_NUMBER = re.compile(r"(-?\d+\.(\d+))")
+
+
+def alike(html_x: str, html_y: str) -> bool:
+    """The same tokens with the same alternatives and numbers, each shown number within one step of its last digit.
+    Logprobs move by ~1e-6 with what else shares the batch (the float sums run in another order), which a 3-digit
+    display shows as one step now and then (-10.5275 rounds either way)."""
+    parts_x, parts_y = SHOWN_NUMBER.split(html_x), SHOWN_NUMBER.split(html_y)
+    if len(parts_x) != len(parts_y):
+        return False
+    # split() gives [text, number, decimals, text, number, decimals, ...]
+    texts_alike = parts_x[::3] == parts_y[::3]
+    numbers_alike = all(abs(float(x) - float(y)) <= 1.01 * 10.0 ** -min(len(dx), len(dy))
+                        for x, dx, y, dy in zip(parts_x[1::3], parts_x[2::3], parts_y[1::3], parts_y[2::3]))
+    return texts_alike and numbers_alike
+
+
 def assert_released(registry) -> None:
     """No lease is held and no request runs, within a bounded wait (a cancelled request ends at the next step)."""
     deadline = time.monotonic() + 30
@@ -83,12 +100,12 @@ def test_compare_streams_both_models_at_once_each_with_its_total(tiny_registry):
 def test_both_sides_get_the_same_seed_so_one_model_twice_answers_alike(tiny_registry):
     registry = tiny_registry({"a": 0, "b": 1})
     html_a, status_a, html_b, status_b = compare(registry, "a", "a", temperature=1.0, max_tokens=16)[-1]
-    assert num_tokens(html_a) == 16 and html_a == html_b  # sampled, yet alike: one seed for both
+    assert num_tokens(html_a) == 16 and alike(html_a, html_b)  # sampled, yet alike: one seed for both
     seed = SEED.search(status_a).group(1)
     assert SEED.search(status_b).group(1) == seed
     # The seed shown brings the same answers back.
     again = compare(registry, "a", "b", temperature=1.0, max_tokens=16, seed=seed)[-1]
-    assert again[0] == html_a and again[2] != html_b
+    assert alike(again[0], html_a) and not alike(again[2], html_b)
 
 
 def test_chat_mode_answers_in_each_models_template(tiny_registry):
