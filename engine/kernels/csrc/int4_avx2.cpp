@@ -117,8 +117,8 @@ inline void pair_block_4rows(const uint8_t* wa, const uint8_t* wb, const int8_t*
 #undef TERN_HIGH
 }
 
-// Two neighbouring groups (16 rows) at once, for batches (`prefetch`: the next pair's first group, its second
-// `prefetch_gap` bytes on, asked for block by block into L1): each broadcast activation feeds two weight registers
+// Two neighbouring groups (16 rows) at once, for batches (`prefetch`: the next pair's first group, its second as far
+// on as wb is from wa, asked for block by block into L1): each broadcast activation feeds two weight registers
 // (prefill-sized batches 1.13x faster; one row, memory-bound, gains nothing and keeps the single-group loop).
 // q4's sums start at the block's centring (QuantizedRows.q4_offsets: -8 * sum(xq) in each row's first int16 pair),
 // so each row's dot leaves vpmaddwd as the exact sum((q - 8) * xq), where a scalar load, a multiply, a broadcast and a
@@ -127,7 +127,7 @@ inline void pair_block_4rows(const uint8_t* wa, const uint8_t* wb, const int8_t*
 // wraps, so the partial sums on the way may not be).
 template <bool kQ4, int MB>
 inline void group_pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa, const uint8_t* wb, int64_t n0,
-                            const uint8_t* prefetch = nullptr, int64_t prefetch_gap = 0) {
+                            const uint8_t* prefetch = nullptr) {
   constexpr int64_t kBytes = kQ4 ? kQ4GroupBytes : kInt4GroupBytes;
   const QuantizedRows& q = *p.x;
   // Locals, not q's fields: after the assembly's memory clobber gcc would read those again every block.
@@ -143,7 +143,7 @@ inline void group_pair_rows(const Int4Problem& p, int64_t m0, const uint8_t* wa,
     if (prefetch)
       for (int64_t line = 0; line < kBytes; line += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(prefetch + c * kBytes + line), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(prefetch + prefetch_gap + c * kBytes + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + (wb - wa) + c * kBytes + line), _MM_HINT_T0);
       }
     __m256i sums[2][MB];
     const int8_t* x[MB];
@@ -195,10 +195,10 @@ void groups(const Int4Problem& p, int64_t g0, int64_t g1) {
       const uint8_t* next = g0 + 3 < g1 ? wa + 2 * group_stride : nullptr;
       for (int64_t m = 0; m < p.M; m += kPairTileRows, next = nullptr) {
         switch (std::min<int64_t>(kPairTileRows, p.M - m)) {
-          case 1: group_pair_rows<kQ4, 1>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows, next, group_stride); break;
-          case 2: group_pair_rows<kQ4, 2>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows, next, group_stride); break;
-          case 3: group_pair_rows<kQ4, 3>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows, next, group_stride); break;
-          default: group_pair_rows<kQ4, kPairTileRows>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows, next, group_stride); break;
+          case 1: group_pair_rows<kQ4, 1>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows, next); break;
+          case 2: group_pair_rows<kQ4, 2>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows, next); break;
+          case 3: group_pair_rows<kQ4, 3>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows, next); break;
+          default: group_pair_rows<kQ4, kPairTileRows>(p, m, wa, wa + group_stride, g0 * kInt4GroupRows, next); break;
         }
       }
     }
