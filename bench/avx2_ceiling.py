@@ -13,8 +13,14 @@ timed on one core over 10^8 iterations (independent registers, no memory):
 - q8's loop (Q8_0 weights: both operands signed): vpmaddubsw wants one unsigned, so per register of weights one vpxor
   (the stored q + 128 back to q) and one vpabsb, then per activation row a vpsignb (x with q's sign), the vpmaddubsw,
   a vpmaddwd that widens its pairs (two pairs of 127 * 127 products overflow int16, so they cannot sum in int16 first)
-  and a vpaddd: engine/kernels/csrc/q8_avx2.cpp's instructions for 4 rows, timed the same way, as multiply-adds a cycle.
-A kernel also unpacks its weights and applies each block's scales, so it stays below that ceiling.
+  and a vpaddd: engine/kernels/csrc/q8_avx2.cpp's instructions for 4 rows, timed the same way, as multiply-adds a cycle;
+  then the same with the kernel's vpbroadcastd of each row's 4 activation bytes from memory (on Zen 3 it issues at
+  ~1.8 a cycle, as the multiplies do, so it is not free).
+- q8 by int16 (a route tried for it): the weight register's bytes spread into two int16 registers by two vpshufb (each
+  row's columns 0-1 and 2-3), then per row two vpbroadcastd of an int16 activation pair and two vpmaddwd and vpaddd,
+  for 8 rows. It multiplies as often as the sign trick (vpmaddubsw and vpmaddwd share the two multiply pipes), so it
+  cannot beat it.
+A kernel also unpacks its weights and applies each block's scales, so it stays below these ceilings.
 """
 from __future__ import annotations
 
@@ -33,6 +39,16 @@ static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
 /* one activation row (register x) against the weight register's sign (ymm12) and magnitude (ymm13): acc += ... */
 #define Q8(x, t, acc) "vpsignb %%ymm12, %%ymm" #x ", %%ymm" #t "\n vpmaddubsw %%ymm" #t ", %%ymm13, %%ymm" #t "\n" \
   "vpmaddwd %%ymm15, %%ymm" #t ", %%ymm" #t "\n vpaddd %%ymm" #t ", %%ymm" #acc ", %%ymm" #acc "\n"
+/* the same row, its activation bytes broadcast from memory first, as the kernel does */
+#define Q8B(off, x, t, acc) "vpbroadcastd " #off "(%0), %%ymm" #x "\n" Q8(x, t, acc)
+/* int16 row: two broadcasts of a row's (x0, x1) and (x2, x3) pairs, two vpmaddwd against the spread weight registers
+   ymm9 and ymm10, two vpaddd */
+#define W16(off, t, u, acc) "vpbroadcastd " #off "(%0), %%ymm" #t "\n vpbroadcastd " #off "+4(%0), %%ymm" #u "\n" \
+  "vpmaddwd %%ymm9, %%ymm" #t ", %%ymm" #t "\n vpmaddwd %%ymm10, %%ymm" #u ", %%ymm" #u "\n" \
+  "vpaddd %%ymm" #t ", %%ymm" #acc ", %%ymm" #acc "\n vpaddd %%ymm" #u ", %%ymm" #acc ", %%ymm" #acc "\n"
+#define SPREAD "vmovdqu (%1), %%ymm8\n vpshufb (%2), %%ymm8, %%ymm9\n vpshufb 32(%2), %%ymm8, %%ymm10\n"
+static int mem_x[64] __attribute__((aligned(64)));
+static unsigned char mem_w[64] __attribute__((aligned(64))), mem_spread[64] __attribute__((aligned(64)));
 #define CLOBBER "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13"
 int main(void) {
   const long n = 100000000;
@@ -53,7 +69,18 @@ int main(void) {
     __asm__ volatile("vpxor %%ymm15, %%ymm14, %%ymm12\n vpabsb %%ymm12, %%ymm13\n"
                      Q8(8, 0, 4) Q8(9, 1, 5) Q8(10, 2, 6) Q8(11, 3, 7) ::: CLOBBER);
   const double q8_rows = 4.0 * n / (now() - t) / 1e9 / ghz;  /* rows of one weight register a cycle */
-  printf("%.3f %.3f %.3f %.3f\n", ghz, alone, pairs, q8_rows);
+  t = now();
+  for (long i = 0; i < n; i++)
+    __asm__ volatile("vpxor %%ymm15, %%ymm14, %%ymm12\n vpabsb %%ymm12, %%ymm13\n"
+                     Q8B(0, 8, 0, 4) Q8B(4, 9, 1, 5) Q8B(8, 10, 2, 6) Q8B(12, 11, 3, 7) :: "r"(mem_x) : CLOBBER);
+  const double q8_broadcast_rows = 4.0 * n / (now() - t) / 1e9 / ghz;
+  t = now();
+  for (long i = 0; i < n; i++)
+    __asm__ volatile(SPREAD W16(0, 11, 12, 0) W16(8, 13, 14, 1) W16(16, 11, 12, 2) W16(24, 13, 14, 3)
+                     W16(32, 11, 12, 4) W16(40, 13, 14, 5) W16(48, 11, 12, 6) W16(56, 13, 14, 7)
+                     :: "r"(mem_x), "r"(mem_w), "r"(mem_spread) : CLOBBER, "xmm14", "xmm15");
+  const double int16_rows = 8.0 * n / (now() - t) / 1e9 / ghz;
+  printf("%.3f %.3f %.3f %.3f %.3f %.3f\n", ghz, alone, pairs, q8_rows, q8_broadcast_rows, int16_rows);
   return 0;
 }
 """
@@ -67,7 +94,7 @@ def main() -> None:
         source, binary = Path(folder) / "ceiling.c", Path(folder) / "ceiling"
         source.write_text(SOURCE)
         subprocess.run(["gcc", "-O2", "-mavx2", "-o", str(binary), str(source)], check=True)
-        ghz, alone, pairs, q8_rows = map(float, subprocess.run([str(binary)], check=True, capture_output=True,
+        ghz, alone, pairs, q8_rows, q8_broadcast_rows, int16_rows = map(float, subprocess.run([str(binary)], check=True, capture_output=True,
                                                       text=True).stdout.split())
     per_core = 32 * pairs
     print(f"clock {ghz:.2f} GHz; vpmaddubsw {alone:.2f} a cycle alone, {pairs:.2f} a cycle with a vpaddw each")
@@ -76,6 +103,10 @@ def main() -> None:
     q8_per_core = 32 * q8_rows
     print(f"q8 (sign trick) ceiling: {q8_rows:.2f} rows of a weight register a cycle, {q8_per_core:.1f} multiply-adds a "
           f"cycle a core, {q8_per_core * ghz * args.cores:.0f} GMAC/s on {args.cores} cores")
+    for name, rows in (("q8 (sign trick, each row's activations broadcast from memory)", q8_broadcast_rows),
+                       ("q8 by int16 (vpshufb-spread weights, vpmaddwd)", int16_rows)):
+        print(f"{name}: {32 * rows:.1f} multiply-adds a cycle a core, {32 * rows * ghz * args.cores:.0f} GMAC/s "
+              f"on {args.cores} cores")
 
 
 if __name__ == "__main__":
