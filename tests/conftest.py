@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import socket
@@ -392,8 +393,10 @@ def tiny_checkpoint(tmp_path_factory, default_checkpoint) -> Path:
     return module.make_random_checkpoint("tiny", default_checkpoint, tmp_path_factory.mktemp("tiny"), torch.float32)
 
 
-def tokenizer_fields(writer) -> int:
-    """The default model's tokenizer, copied from its GGUF: transformers rebuilds the tokenizer from these."""
+@functools.lru_cache(maxsize=1)
+def _default_tokenizer_metadata() -> dict:
+    """The default model's tokenizer fields, read from its GGUF once per session: gguf's reader takes seconds over
+    a 49,152-token vocabulary and its merges."""
     from gguf import GGUFReader
 
     reader = GGUFReader(default_gguf_path())
@@ -406,16 +409,39 @@ def tokenizer_fields(writer) -> int:
         field = reader.fields[key]
         return field.parts[field.data[0]][0].item()
 
-    writer.add_tokenizer_model(bytes(reader.fields["tokenizer.ggml.model"].parts[-1]).decode())
-    writer.add_tokenizer_pre(bytes(reader.fields["tokenizer.ggml.pre"].parts[-1]).decode())
-    writer.add_token_list(strings("tokenizer.ggml.tokens"))
     token_types = reader.fields["tokenizer.ggml.token_type"]
-    writer.add_token_types([int(token_types.parts[i][0]) for i in token_types.data])
-    writer.add_token_merges(strings("tokenizer.ggml.merges"))
-    writer.add_bos_token_id(scalar("tokenizer.ggml.bos_token_id"))
-    writer.add_eos_token_id(scalar("tokenizer.ggml.eos_token_id"))
-    writer.add_chat_template(bytes(reader.fields["tokenizer.chat_template"].parts[-1]).decode())
-    return len(strings("tokenizer.ggml.tokens"))
+    return dict(model=bytes(reader.fields["tokenizer.ggml.model"].parts[-1]).decode(),
+                pre=bytes(reader.fields["tokenizer.ggml.pre"].parts[-1]).decode(),
+                tokens=strings("tokenizer.ggml.tokens"),
+                token_types=[int(token_types.parts[i][0]) for i in token_types.data],
+                merges=strings("tokenizer.ggml.merges"),
+                bos=scalar("tokenizer.ggml.bos_token_id"), eos=scalar("tokenizer.ggml.eos_token_id"),
+                chat_template=bytes(reader.fields["tokenizer.chat_template"].parts[-1]).decode())
+
+
+# The vocabulary of the tiny GGUFs the tests write: the default model's first 1,024 tokens (its special tokens, the
+# 235 byte symbols and the first merges). Every GGUF reader (gguf's, transformers', the first start's) parses the
+# tokens and merges field by field in Python: the full 49,152 took most of each tiny GGUF test's 20-40 s.
+TINY_GGUF_VOCAB = 1024
+
+
+def tokenizer_fields(writer, vocab_size: int | None = TINY_GGUF_VOCAB) -> int:
+    """The default model's tokenizer, copied from its GGUF (transformers rebuilds the tokenizer from these), cut to
+    its first `vocab_size` tokens (None: all) and the merges among them; returns the vocabulary's size."""
+    meta = _default_tokenizer_metadata()
+    tokens = meta["tokens"][:vocab_size]
+    kept = set(tokens)
+    # BPE stays whole: a merge is kept when both its parts and what it makes are in the cut vocabulary.
+    merges = [m for m in meta["merges"] if m.replace(" ", "", 1) in kept and all(p in kept for p in m.split(" ", 1))]
+    writer.add_tokenizer_model(meta["model"])
+    writer.add_tokenizer_pre(meta["pre"])
+    writer.add_token_list(tokens)
+    writer.add_token_types(meta["token_types"][:len(tokens)])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(meta["bos"])
+    writer.add_eos_token_id(meta["eos"])
+    writer.add_chat_template(meta["chat_template"])
+    return len(tokens)
 
 
 # Thinking models: Qwen3's real chat template (tests/fixtures/README.md says where it comes from), and the shape of

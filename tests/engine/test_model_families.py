@@ -152,7 +152,7 @@ def write_gguf(hf_model, path: Path) -> Path:
     config = hf_model.config
     architecture = GGUF_ARCHITECTURES[config.model_type]
     writer = gguf.GGUFWriter(path, architecture)
-    tokenizer_fields(writer)
+    tokenizer_fields(writer, config.vocab_size)  # the model's own vocabulary
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
