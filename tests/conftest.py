@@ -444,6 +444,23 @@ def tokenizer_fields(writer, vocab_size: int | None = TINY_GGUF_VOCAB) -> int:
     return len(tokens)
 
 
+@pytest.fixture(scope="session")
+def tiny_vocab_tokenizer(tmp_path_factory):
+    """The default model's tokenizer cut to its first TINY_GGUF_VOCAB tokens, as the tiny GGUFs carry it: for tiny
+    models that are written as GGUFs (a vocabulary that size keeps every GGUF reader quick)."""
+    from gguf import GGUFWriter
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tiny-vocab") / "tokenizer.gguf"
+    writer = GGUFWriter(path, "llama")
+    tokenizer_fields(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
 # Thinking models: Qwen3's real chat template (tests/fixtures/README.md says where it comes from), and the shape of
 # DeepSeek-R1's, whose generation prompt opens the <think> block so that the model's first words are reasoning.
 QWEN3_TEMPLATE = (ROOT / "tests" / "fixtures" / "qwen3_chat_template.jinja").read_text()

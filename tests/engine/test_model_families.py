@@ -48,7 +48,9 @@ def make_checkpoint(family: str, tokenizer, folder: Path, families: dict = FAMIL
     from transformers import AutoModelForCausalLM
 
     model_type, overrides = families[family]
-    config = tiny_config(model_type, initializer_range=0.15, **overrides)
+    config = tiny_config(model_type, vocab_size=len(tokenizer), initializer_range=0.15, **overrides)
+    if config.pad_token_id is not None and config.pad_token_id >= config.vocab_size:  # Phi-3's 32000, past a cut one
+        config.pad_token_id = 0
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # norms start at their identity: perturb them so the (1 + weight) convention shows
@@ -212,11 +214,11 @@ GGUF_FAMILIES = {
 
 
 @pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
-def test_a_gguf_of_each_family_answers_as_the_checkpoint_it_was_converted_from(family, default_tokenizer, tmp_path):
+def test_a_gguf_of_each_family_answers_as_the_checkpoint_it_was_converted_from(family, tiny_vocab_tokenizer, tmp_path):
     """Tensor names, Gemma's norm convention and every setting come from the file (transformers' own GGUF reader
     drops soft-caps, windows, rotary dimensions and RoPE scaling: engine/weights/gguf_config.py reads them): Tern's answers
     from the GGUF equal transformers' on the original checkpoint."""
-    hf_model, _ = make_checkpoint(family, default_tokenizer, tmp_path / "folder", GGUF_FAMILIES)
+    hf_model, _ = make_checkpoint(family, tiny_vocab_tokenizer, tmp_path / "folder", GGUF_FAMILIES)
     path = write_gguf(hf_model, tmp_path / f"{family}.gguf")
     engine = Engine(EngineConfig(model=str(path), quantization="none", dtype="float32",
                                  cache_dir=str(tmp_path / "cache"))).start()
@@ -229,23 +231,25 @@ def test_a_gguf_of_each_family_answers_as_the_checkpoint_it_was_converted_from(f
 
 @pytest.mark.slow  # neither depends on the kernel path
 @pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
-def test_a_ggufs_config_reads_back_with_every_field_of_its_family(family, default_tokenizer, tmp_path):
-    hf_model, _ = make_checkpoint(family, default_tokenizer, tmp_path / "folder", GGUF_FAMILIES)
+def test_a_ggufs_config_reads_back_with_every_field_of_its_family(family, tiny_vocab_tokenizer, tmp_path):
+    hf_model, _ = make_checkpoint(family, tiny_vocab_tokenizer, tmp_path / "folder", GGUF_FAMILIES)
     assert_config_reads_back(write_gguf(hf_model, tmp_path / f"{family}.gguf"), tmp_path / "cache")
 
 
 @pytest.mark.slow  # neither depends on the kernel path
 @pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
 def test_a_ggufs_tokenizer_is_the_one_autotokenizer_builds(family, default_tokenizer, tmp_path):
+    # The whole vocabulary: Gemma's tokenizer class reads it SentencePiece-style, with no unknown token to fall
+    # back on, and the first 1,024 tokens do not cover the test's text.
     hf_model, _ = make_checkpoint(family, default_tokenizer, tmp_path / "folder", GGUF_FAMILIES)
     assert_tokenizer_as_autotokenizer(write_gguf(hf_model, tmp_path / f"{family}.gguf"), tmp_path / "cache")
 
 
 @pytest.mark.slow  # neither depends on the kernel path
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
-def test_a_gemma_gguf_starts_without_transformers_modeling_code(family, default_tokenizer, tmp_path):
+def test_a_gemma_gguf_starts_without_transformers_modeling_code(family, tiny_vocab_tokenizer, tmp_path):
     """Its RoPE tables too are computed without transformers' Gemma modules. (torch._dynamo is imported all the same:
     Gemma's decode step is compiled, not the native one.)"""
-    hf_model, _ = make_checkpoint(family, default_tokenizer, tmp_path / "folder", GGUF_FAMILIES)
+    hf_model, _ = make_checkpoint(family, tiny_vocab_tokenizer, tmp_path / "folder", GGUF_FAMILIES)
     heavy = heavy_imports_of_a_start(write_gguf(hf_model, tmp_path / f"{family}.gguf"), tmp_path / "cache")
     assert "transformers.activations" not in heavy
