@@ -45,15 +45,16 @@ class Postprocessor:
         self._scheduler.mark_computed(batch)
         sampling = [seq for seq, s in zip(batch.seqs, batch.samples) if s]
         results = sample(logits.sample_logits, sampling, self._eos_ids) if sampling else []
+        # Counted before any output goes out: a consumer that has its last token must find it in stats().
+        self._recent_tokens.append((time.monotonic(), len(results)))
+        self.num_steps += 1
+        self.num_generated_tokens += len(results)
         for seq, (token_id, logprob) in zip(sampling, results):
             self._append(seq, token_id, logprob)
         for seq, s in zip(batch.seqs, batch.samples):
             # A prompt-only request (max_tokens 0: scoring, echo, embeddings) ends once its prefill is done.
             if not s and seq.max_tokens == 0 and seq.num_computed_tokens >= seq.num_tokens:
                 self._emit(seq, [], "", None, "length")
-        self._recent_tokens.append((time.monotonic(), len(results)))
-        self.num_steps += 1
-        self.num_generated_tokens += len(results)
 
     def tokens_per_s(self) -> float:
         """Tokens sampled per second over the last few seconds. Any thread."""

@@ -402,6 +402,22 @@ def test_many_threads_submitting_at_once(tiny_engine_factory):
     assert [results[i] for i in range(8)] == expected
 
 
+def test_stats_count_every_token_a_consumer_has_already_received(tiny_engine_factory):
+    # /metrics and the UI read stats() right after a reply: its last token must be counted by then.
+    engine, _ = tiny_engine_factory()
+    received = 0
+    before = engine.stats().num_generated_tokens
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the GIL changes hands often, as on a loaded machine: a late count shows
+    try:
+        for prompt in _prompts(40, seed=5):
+            [out] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            received += len(out.choices[0].token_ids)
+            assert engine.stats().num_generated_tokens - before == received
+    finally:
+        sys.setswitchinterval(interval)
+
+
 def test_a_repeated_prompt_prefix_is_served_from_the_cache_with_the_same_result(tiny_engine_factory):
     engine, _ = tiny_engine_factory()
     uncached, _ = tiny_engine_factory(enable_prefix_caching=False)
